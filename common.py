@@ -1,0 +1,339 @@
+"""Plumbing shared by every script: seeding, device, the built-in task and its reward, the built-in tiny model,
+sampling, evaluation and metrics logging. No advantage estimator and no loss lives here: those are in the scripts."""
+
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Seeding and device
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA
+
+
+def get_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
+    if name not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name!r}: allowed values are auto, cpu, cuda")
+    return torch.device(name)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on a GPU that supports it (parameters and optimizer state stay fp32); nothing on CPU."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tasks: a prompt, a reference answer, and a verifier that scores a completion 1 (correct) or 0
+# ---------------------------------------------------------------------------------------------------------------------
+
+TASKS = ("addition", "gsm8k")
+
+
+@dataclass
+class Task:
+    name: str
+    train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer
+    eval: "datasets.Dataset"  # noqa: F821  fixed held-out split, never trained on
+    extract_answer: callable  # completion text -> the final answer it states (or None)
+
+    def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
+        """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
+        return torch.tensor([float(self.extract_answer(c) == a) for c, a in zip(completions, answers)])
+
+
+def _addition_answer(completion: str) -> str | None:
+    return completion.strip() or None
+
+
+def make_addition_task(num_eval: int = 500) -> Task:
+    """The built-in task: two-digit addition "07+45=", answered by the digits of the sum in reverse order, then EOS.
+
+    The sum is written least-significant digit first (52 -> "25", 125 -> "521"), as in Lee et al. 2023, "Teaching
+    Arithmetic to Small Transformers", and the operands are zero-padded to two digits: each answer digit then depends
+    on two aligned input digits and one carry, which a 1M-parameter model learns in about a minute on a CPU. Sums
+    without carries are easy and sums with two carries are hard, so a group of responses can be all correct, all
+    wrong, or mixed. The held-out split is fixed (its own seed) and disjoint from the training split."""
+    import datasets
+
+    problems = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(1234).shuffle(problems)
+    to_dict = lambda ps: {"prompt": [f"{a:02d}+{b:02d}=" for a, b in ps], "answer": [str(a + b)[::-1] for a, b in ps]}  # noqa: E731
+    return Task(
+        name="addition",
+        train=datasets.Dataset.from_dict(to_dict(problems[num_eval:])),
+        eval=datasets.Dataset.from_dict(to_dict(problems[:num_eval])),
+        extract_answer=_addition_answer,
+    )
+
+
+def _gsm8k_answer(completion: str) -> str | None:
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*", completion)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def make_gsm8k_task(num_eval: int = 500) -> Task:
+    """GSM8K from the Hugging Face hub (needs internet once): the last number in the completion must equal the answer."""
+    import datasets
+
+    def convert(split):
+        ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+        return ds.map(
+            lambda x: {"prompt": f"Question: {x['question']}\nAnswer:", "answer": x["answer"].split("####")[-1].strip()},
+            remove_columns=ds.column_names,
+        )
+
+    return Task("gsm8k", convert("train"), convert("test").select(range(num_eval)), _gsm8k_answer)
+
+
+def make_task(name: str) -> Task:
+    if name not in TASKS:
+        raise SystemExit(f"--task {name!r}: unknown task; allowed values are {', '.join(TASKS)}")
+    return make_addition_task() if name == "addition" else make_gsm8k_task()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The built-in tiny model: a Llama-architecture causal LM with a character-level tokenizer, saved as an ordinary
+# Hugging Face model so that it loads through AutoModelForCausalLM / AutoTokenizer exactly like a hub model.
+# ---------------------------------------------------------------------------------------------------------------------
+
+CHARS = "0123456789+-*= "
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_tiny_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def builtin_model_dir(cache_dir: str) -> str:
+    """Where the warmed-up built-in model is cached. The folder name carries a hash of the warm-up recipe, so that
+    changing the recipe trains a new model instead of silently reusing a stale one."""
+    import sft
+
+    cache_dir = cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
+    recipe = json.dumps(vars(sft.Args()), sort_keys=True) + str(build_tiny_model(build_tokenizer()).config.to_dict())
+    return os.path.join(cache_dir, f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None and ".." not in name
+
+
+def check_model_path(name: str) -> None:
+    """Fail fast on a model path that cannot exist, before any expensive work."""
+    if name != "builtin" and not os.path.isdir(name) and (not looks_like_hub_id(name) or os.path.exists(name)):
+        raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
+
+
+def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device):
+    """Load a causal LM and its tokenizer. 'builtin' means the tiny model after its supervised warm-up on the built-in
+    task (sft.py), trained the first time it is needed and cached on disk; anything else goes to from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_path(name)
+    path = name
+    if name == "builtin":
+        path = builtin_model_dir(cache_dir)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            import sft
+
+            print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
+            sft.warm_up(sft.Args(output_dir=path))
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampling and scoring sequences
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device):
+    """Left-padded prompt ids (B, P) and attention mask (B, P)."""
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, T) mask of valid completion tokens: every generated token up to and including the first EOS, nothing after.
+    Built from EOS alone, so it stays right when a tokenizer uses the same id for padding and EOS."""
+    is_eos = (completion_ids == eos_token_id).int()
+    return (is_eos.cumsum(dim=1) - is_eos) == 0
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
+    """Sample completions token by token with a KV cache. temperature > 0 samples from softmax(logits / temperature)
+    with no top-k or top-p, so that the behaviour policy is exactly the one whose log-probs the scripts compute;
+    temperature == 0 is greedy. Returns completion ids (B, T) (pad after the first EOS), mask (B, T), truncated (B,)."""
+    from transformers import DynamicCache
+
+    eos_token_id, pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    batch_size = prompt_ids.shape[0]
+    input_ids, attention_mask = prompt_ids, prompt_mask
+    position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    cache, done, tokens = DynamicCache(), torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device), []
+    for _ in range(max_new_tokens):
+        with autocast(prompt_ids.device):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
+        logits = out.logits[:, -1, :].float()  # (B, V)
+        if temperature > 0:
+            next_token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_token = logits.argmax(dim=-1)
+        next_token = next_token.masked_fill(done, pad_token_id)  # (B,)
+        tokens.append(next_token)
+        done = done | (next_token == eos_token_id)
+        if done.all():
+            break
+        input_ids = next_token[:, None]
+        attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+    completion_ids = torch.stack(tokens, dim=1)  # (B, T)
+    truncated = ~(completion_ids == eos_token_id).any(dim=1)  # hit max_new_tokens without an EOS
+    return completion_ids, completion_mask(completion_ids, eos_token_id), truncated
+
+
+def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float):
+    """log pi(y_t | x, y_<t) of each of the last `completion_len` tokens of `input_ids`, computed from logits / temperature
+    so that they are the log-probs of the distribution the tokens were sampled from. Returns logprobs (B, T) and the
+    entropy of each of those next-token distributions (B, T, no gradient). Positions run from each row's first real
+    token, exactly as in `generate`."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with autocast(input_ids.device):
+        out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_len + 1)
+    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts completion token t
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = all_logprobs.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)  # (B, T)
+    with torch.no_grad():
+        entropy = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)  # (B, T)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def frozen_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float, chunk_size: int):
+    """completion_logprobs without gradient, `chunk_size` rows at a time (old and reference log-probs)."""
+    chunks = zip(input_ids.split(chunk_size), attention_mask.split(chunk_size))
+    return torch.cat([completion_logprobs(model, ids, mask, completion_len, temperature)[0] for ids, mask in chunks])
+
+
+def decode(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    ids = completion_ids.masked_fill(~mask, tokenizer.pad_token_id).tolist()
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Evaluation and logging
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, batch_size: int = 512) -> dict:
+    """Greedy accuracy on the task's fixed held-out split (or on `dataset`)."""
+    dataset = task.eval if dataset is None else dataset
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct, lengths = [], []
+    for start in range(0, len(dataset), batch_size):
+        batch = dataset[start : start + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, batch["prompt"], device)
+        ids, mask, _ = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=0.0)
+        correct.append(task.reward(decode(tokenizer, ids, mask), batch["answer"]))
+        lengths.append(mask.sum(dim=1).float().cpu())
+    model.train(was_training)
+    return {"eval/accuracy": torch.cat(correct).mean().item(), "eval/response_length": torch.cat(lengths).mean().item()}
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to OUTPUT_DIR/metrics.jsonl."""
+
+    def __init__(self, output_dir: str):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.file = open(self.path, "w")
+        self.start = time.time()
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time/elapsed": round(time.time() - self.start, 3)}
+        row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()})
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Combine per-micro-batch metrics: max of *_max, min of *_min, mean of the rest."""
+    out = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = torch.stack([torch.as_tensor(row[key], dtype=torch.float32) for row in rows if key in row])
+        out[key] = values.max() if key.endswith("_max") else values.min() if key.endswith("_min") else values.mean()
+    return out
+
+
+def check_common_args(args) -> None:
+    """Checks of the flags every RL script shares; each names its flag and what is allowed."""
+    if args.task not in TASKS:
+        raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(TASKS)}")
+    check_model_path(args.model_name_or_path)
+    get_device(args.device)
+    for flag in ("temperature", "learning_rate"):
+        if not getattr(args, flag) > 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    for flag in ("total_steps", "num_prompts", "num_minibatches", "num_epochs", "max_new_tokens", "eval_every"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.micro_batch_size < 0:
+        raise SystemExit(f"--micro-batch-size {args.micro_batch_size}: must be 0 (whole minibatch) or positive")
+
+
+def check_finite(value: torch.Tensor, what: str, step: int) -> None:
+    """Stop the run, saying where, instead of training on NaN or inf."""
+    if not torch.isfinite(value).all():
+        raise SystemExit(f"non-finite {what} at step {step}: stopping (try a lower --learning-rate)")

@@ -1,0 +1,110 @@
+"""The plumbing every script relies on: masks, sampling, log-probs, the task's verifier, argument checks."""
+
+import pytest
+import torch
+
+import common
+from helpers import tiny_model
+
+
+def test_completion_mask_runs_through_the_first_eos_only():
+    eos = 1
+    ids = torch.tensor([[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0], [5, 1, 1, 1]])  # the last one: pad id == eos id
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    assert torch.equal(common.completion_mask(ids, eos), expected)
+
+
+def test_generate_marks_eos_padding_and_truncation():
+    model, *_ = tiny_model()
+    tokenizer = common.build_tokenizer()
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45=", "7+7="], torch.device("cpu"))
+    torch.manual_seed(0)
+    ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 6, 1.0)
+    assert ids.shape[0] == 3 and ids.shape[1] <= 6 and mask.shape == ids.shape
+    for row, row_mask, trunc in zip(ids, mask, truncated):
+        eos_at = (row == tokenizer.eos_token_id).nonzero()
+        if trunc:
+            assert len(eos_at) == 0 and row_mask.all() and len(row) == 6
+        else:
+            first = eos_at[0].item()
+            assert row_mask[: first + 1].all() and not row_mask[first + 1 :].any()
+            assert (row[first + 1 :] == tokenizer.pad_token_id).all()
+
+
+def test_logprobs_do_not_depend_on_left_padding():
+    """Each row's log-probs are the same alone or left-padded in a batch: positions count from the first real token."""
+    model, input_ids, attention_mask, mask = tiny_model(batch=4)
+    batch_logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
+    for i in range(4):
+        real = attention_mask[i, : input_ids.shape[1] - mask.shape[1]].bool()
+        alone_ids = torch.cat([input_ids[i, : len(real)][real], input_ids[i, len(real) :]])[None]
+        alone_mask = torch.cat([torch.ones(int(real.sum()), dtype=torch.long), attention_mask[i, len(real) :]])[None]
+        alone, _ = common.completion_logprobs(model, alone_ids, alone_mask, mask.shape[1], 1.0)
+        assert torch.allclose(alone[0][mask[i]], batch_logprobs[i][mask[i]], atol=1e-5)
+
+
+def test_logprobs_match_the_sampling_distribution_at_temperature():
+    """The log-prob of a sampled token is log softmax(logits / T), the distribution `generate` samples from."""
+    model, input_ids, attention_mask, mask = tiny_model(batch=2)
+    with torch.no_grad():
+        position_ids = (attention_mask[1:].cumsum(dim=1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids[1:], attention_mask=attention_mask[1:], position_ids=position_ids).logits[0]
+    for temperature in (0.5, 1.0, 2.0):
+        logprobs, entropy = common.completion_logprobs(model, input_ids[1:], attention_mask[1:], mask.shape[1], temperature)
+        prompt_len = input_ids.shape[1] - mask.shape[1]
+        expected = torch.log_softmax(logits[prompt_len - 1 : -1] / temperature, dim=-1)
+        targets = input_ids[1, prompt_len:]
+        assert torch.allclose(logprobs[0], expected.gather(-1, targets[:, None]).squeeze(-1), atol=1e-5)
+        assert torch.allclose(entropy[0], -(expected.exp() * expected).sum(-1), atol=1e-5)
+
+
+def test_generate_greedy_picks_the_argmax_and_matches_a_full_forward():
+    model, *_ = tiny_model()
+    tokenizer = common.build_tokenizer()
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45="], torch.device("cpu"))
+    ids, mask, _ = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, 0.0)
+    input_ids = torch.cat([prompt_ids, ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+    logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, ids.shape[1], 1.0)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    greedy = logits[:, prompt_ids.shape[1] - 1 : -1].argmax(dim=-1)
+    assert torch.equal(greedy[mask], ids[mask])  # the KV-cached loop and a full forward agree
+    assert torch.isfinite(logprobs[mask]).all()
+
+
+def test_addition_task_is_fixed_disjoint_and_verified():
+    task = common.make_task("addition")
+    train, held_out = task.train[:], task.eval[:]  # dicts of lists
+    assert len(task.eval) == 500 and len(task.train) == 10_000 - 500
+    assert not set(held_out["prompt"]) & set(train["prompt"])
+    assert common.make_task("addition").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
+    answers = dict(zip(train["prompt"] + held_out["prompt"], train["answer"] + held_out["answer"]))
+    assert answers["07+45="] == "25" and answers["68+57="] == "521" and answers["00+00="] == "0"  # sum, reversed
+    reward = task.reward(["46", " 46 ", "47", "", "046"], ["46"] * 5)
+    assert reward.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_gsm8k_verifier_reads_the_last_number():
+    assert common._gsm8k_answer("so 3 + 4 = 7. The answer is 1,234.") == "1234"
+    assert common._gsm8k_answer("no number here") is None
+
+
+def test_aggregate_takes_max_min_and_mean():
+    rows = [{"a": torch.tensor(1.0), "x_max": 2.0, "x_min": 0.5}, {"a": torch.tensor(3.0), "x_max": 5.0, "x_min": 0.1}]
+    assert common.aggregate(rows) == {"a": 2.0, "x_max": 5.0, "x_min": pytest.approx(0.1)}
+
+
+def test_check_finite_names_the_step():
+    common.check_finite(torch.tensor(1.0), "loss", 3)
+    with pytest.raises(SystemExit, match="non-finite loss at step 7"):
+        common.check_finite(torch.tensor(float("nan")), "loss", 7)
+
+
+def test_model_paths():
+    common.check_model_path("builtin")
+    common.check_model_path("Qwen/Qwen2.5-0.5B")  # a hub id is left to from_pretrained
+    for bad in ("/no/such/model", "./missing", "runs/a/b/model"):
+        with pytest.raises(SystemExit, match="--model-name-or-path"):
+            common.check_model_path(bad)

@@ -1,0 +1,203 @@
+"""grpo.py's advantage and loss against the numbers and properties of DeepSeekMath §4.1 as derived in the notes."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import grpo
+from helpers import clip_table, policy_gradient_of, tiny_model, true_gradient
+
+
+def args(**overrides):
+    return grpo.Args(**{"beta": 0.0, **overrides})
+
+
+# --- advantages ------------------------------------------------------------------------------------------------------
+
+
+def test_advantages_one_one_minus_one():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    assert torch.equal(grpo.compute_advantages(rewards, 4, eps=0.0), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    # the default numerical epsilon only nudges them
+    assert torch.allclose(grpo.compute_advantages(rewards, 4), torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-3)
+
+
+def test_advantages_one_success_in_eight_is_sqrt7():
+    rewards = torch.tensor([1.0] + [0.0] * 7)
+    adv = grpo.compute_advantages(rewards, 8, eps=0.0)
+    assert adv[0].item() == pytest.approx(math.sqrt(7), rel=1e-6)
+    assert torch.allclose(adv[1:], torch.full((7,), -1 / math.sqrt(7)))
+    adv = grpo.compute_advantages(1 - rewards, 8, eps=0.0)  # seven successes: the lone failure gets -sqrt(7)
+    assert adv[0].item() == pytest.approx(-math.sqrt(7), rel=1e-6)
+    assert torch.allclose(adv[1:], torch.full((7,), 1 / math.sqrt(7)))
+
+
+def test_advantages_use_population_std():
+    rewards = torch.tensor([0.0, 1.0, 3.0])
+    expected = (rewards - rewards.mean()) / rewards.std(unbiased=False)
+    assert torch.allclose(grpo.compute_advantages(rewards, 3, eps=0.0), expected)
+    assert not torch.allclose(grpo.compute_advantages(rewards, 3, eps=0.0), (rewards - rewards.mean()) / rewards.std())
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-4])
+def test_zero_variance_groups_get_exactly_zero(eps):
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3, 1.0, 0.0, 1.0])
+    adv = grpo.compute_advantages(rewards, 3, eps=eps)
+    assert torch.equal(adv[:9], torch.zeros(9))
+    assert torch.isfinite(adv).all() and adv[9:].abs().min() > 0.5
+
+
+def test_groups_are_independent_and_zero_mean():
+    rewards = torch.rand(40)
+    adv = grpo.compute_advantages(rewards, 8)
+    assert torch.allclose(adv.view(5, 8).mean(dim=1), torch.zeros(5), atol=1e-6)
+    rewards[:8] += 100.0  # shifting one group's rewards leaves every advantage unchanged
+    assert torch.allclose(grpo.compute_advantages(rewards, 8), adv, atol=1e-4)
+
+
+# --- loss ------------------------------------------------------------------------------------------------------------
+
+
+def test_on_policy_ratio_is_one_and_nothing_is_clipped():
+    logprobs = -torch.rand(6, 5)
+    _, m = grpo.compute_loss(logprobs, logprobs, None, torch.randn(6), torch.ones(6, 5, dtype=torch.bool), args())
+    assert m["train/ratio_mean"] == 1 and m["train/ratio_min"] == 1 and m["train/ratio_max"] == 1
+    assert m["train/clip_frac_low"] == 0 and m["train/clip_frac_high"] == 0 and m["kl/old_approx"] == 0
+
+
+def test_clip_table_of_section_8_4():
+    """The six rows of the clip table: objective value and slope d/d ratio, eps = 0.2."""
+
+    def objective(ratio, advantage):
+        old = torch.log(torch.tensor([[0.2]]))
+        logprobs = (old + math.log(ratio)).requires_grad_(True)
+        loss, _ = grpo.compute_loss(logprobs, old, None, torch.tensor([advantage]), torch.ones(1, 1, dtype=torch.bool), args())
+        (-loss).backward()
+        return -loss.item(), logprobs.grad.item() / ratio  # d obj / d ratio = d obj / d logprob / ratio
+
+    for advantage, ratio, value, slope in clip_table():
+        got_value, got_slope = objective(ratio, advantage)
+        assert got_value == pytest.approx(value, abs=1e-6), (advantage, ratio)
+        assert got_slope == pytest.approx(slope, abs=1e-6), (advantage, ratio)
+
+
+def test_clip_fractions_count_low_and_high_separately():
+    old = torch.zeros(2, 2)
+    logprobs = torch.log(torch.tensor([[1.5, 1.0], [0.5, 1.0]]))
+    _, m = grpo.compute_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool), args())
+    assert m["train/clip_frac_high"] == pytest.approx(0.25) and m["train/clip_frac_low"] == pytest.approx(0.25)
+
+
+def test_token_coefficients_are_1_over_20_and_1_over_200():
+    """Two responses of 10 and 100 tokens, advantage +1, ratio 1: per-response means weight tokens 1/(G L_i)."""
+    mask = torch.zeros(2, 100, dtype=torch.bool)
+    mask[0, :10], mask[1, :] = True, True
+    logprobs = torch.full((2, 100), -1.0, requires_grad=True)
+    loss, _ = grpo.compute_loss(logprobs, logprobs.detach(), None, torch.tensor([1.0, 1.0]), mask, args())
+    (-loss).backward()
+    assert torch.allclose(logprobs.grad[0, :10], torch.full((10,), 1 / 20))
+    assert torch.allclose(logprobs.grad[1], torch.full((100,), 1 / 200))
+
+
+def test_padding_gets_no_gradient_and_does_not_change_the_loss():
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    old, ref, adv = -torch.rand(3, 5), -torch.rand(3, 5), torch.tensor([1.0, -0.5, 2.0])
+    losses = []
+    for garbage in (0.0, 30.0):
+        torch.manual_seed(1)
+        logprobs = torch.where(mask, -torch.rand(3, 5), -garbage).requires_grad_(True)
+        old_, ref_ = old.masked_fill(~mask, 7.0), ref.masked_fill(~mask, -9.0)  # garbage on padding too
+        loss, _ = grpo.compute_loss(logprobs, old_, ref_, adv, mask, args(beta=0.1))
+        loss.backward()
+        assert torch.equal(logprobs.grad[~mask], torch.zeros(int((~mask).sum())))
+        assert (logprobs.grad[mask] != 0).all()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7)
+
+
+def test_micro_batches_leave_the_gradient_unchanged():
+    """One minibatch of 6 responses through a real model, whole or in micro-batches of 2 and 3."""
+    model, input_ids, attention_mask, mask = tiny_model(batch=6, seed=0)
+    advantages, cfg = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), args(beta=0.04)
+    with torch.no_grad():
+        old = grpo_logprobs(model, input_ids, attention_mask, mask) - 0.05 * torch.rand(mask.shape)
+        ref = old - 0.1
+
+    def gradient(micro):
+        model.zero_grad()
+        for idx in torch.arange(6).split(micro):
+            logprobs = grpo_logprobs(model, input_ids[idx], attention_mask[idx], mask)
+            loss, _ = grpo.compute_loss(logprobs, old[idx], ref[idx], advantages[idx], mask[idx], cfg, 6)
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    whole = gradient(6)
+    assert whole.abs().sum() > 0
+    for micro in (2, 3):
+        assert torch.allclose(gradient(micro), whole, atol=1e-7, rtol=1e-5)
+
+
+def grpo_logprobs(model, input_ids, attention_mask, mask):
+    import common
+
+    return common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0]
+
+
+# --- expectations by exact enumeration over a tiny softmax policy (§11.2, §11.3, §11.8) ---------------------------------
+
+
+def expected_gradient(theta, rewards, group_size, advantage_fn):
+    """E over all ordered groups of G actions of -grad(compute_loss), on-policy, one token per response."""
+    probs = torch.softmax(theta, dim=0)
+    total = torch.zeros_like(theta)
+    for group in itertools.product(range(len(theta)), repeat=group_size):
+        actions = torch.tensor(group)
+        advantages = advantage_fn(rewards[actions])
+        loss = lambda lp, adv=advantages: grpo.compute_loss(lp, lp.detach(), None, adv, lp == lp, args())[0]  # noqa: E731
+        grad = policy_gradient_of(loss, theta, actions)
+        total += probs[actions].prod() * grad
+    return total
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+def test_mean_centred_baseline_scales_the_gradient_by_g_minus_1_over_g(group_size):
+    """§11.2: with the group mean (which includes the response itself) as baseline, E[grad] = (G-1)/G * grad E[R]."""
+    theta, rewards = torch.tensor([0.3, -0.5, 1.1]), torch.tensor([0.0, 1.0, 10.0])
+    mean_centred = lambda r: r - r.mean()  # noqa: E731
+    got = expected_gradient(theta, rewards, group_size, mean_centred)
+    assert torch.allclose(got, (group_size - 1) / group_size * true_gradient(theta, rewards), atol=1e-5)
+
+
+def test_standardisation_can_change_the_direction():
+    """§11.3: uniform 3-action policy, G = 2: rewards (0,1,10) and (0,9,10) both give E[grad] = (-2/9, 0, 2/9)."""
+    theta = torch.zeros(3)
+    standardised = lambda r: grpo.compute_advantages(r, len(r), eps=0.0)  # noqa: E731
+    for rewards, truth in (([0.0, 1.0, 10.0], [-11 / 9, -8 / 9, 19 / 9]), ([0.0, 9.0, 10.0], [-19 / 9, 8 / 9, 11 / 9])):
+        rewards = torch.tensor(rewards)
+        expected = expected_gradient(theta, rewards, 2, standardised)
+        assert torch.allclose(expected, torch.tensor([-2 / 9, 0.0, 2 / 9]), atol=1e-6)
+        assert torch.allclose(true_gradient(theta, rewards), torch.tensor(truth), atol=1e-6)
+
+
+def test_k3_value_is_reverse_kl_but_its_gradient_is_forward_kl():
+    """§11.8: on samples from pi, E[k3] = KL(pi || ref) while E[grad k3] = grad KL(ref || pi)."""
+    theta, ref = torch.tensor([0.4, -0.2, 0.9]), torch.softmax(torch.tensor([0.0, 0.5, -0.5]), dim=0)
+    probs, ones = torch.softmax(theta, dim=0), torch.ones(1, 1, dtype=torch.bool)
+
+    def loss_of(logprobs, action):  # beta = 1 and zero advantage: the loss is k3 alone
+        ref_logprobs = torch.log(ref[action]).view(1, 1)
+        return grpo.compute_loss(logprobs, logprobs.detach(), ref_logprobs, torch.zeros(1), ones, args(beta=1.0))
+
+    value, grad = 0.0, torch.zeros(3)
+    for a in range(3):
+        value += probs[a] * loss_of(torch.log_softmax(theta, dim=0)[a].view(1, 1), a)[1]["kl/ref"]
+        grad += probs[a] * -policy_gradient_of(lambda lp, a=a: loss_of(lp, a)[0], theta, torch.tensor([a]))
+    theta_ = theta.clone().requires_grad_(True)
+    p = torch.softmax(theta_, dim=0)
+    reverse, forward = (p * (p.log() - ref.log())).sum(), (ref * (ref.log() - p.log())).sum()
+    assert value == pytest.approx(reverse.item(), abs=1e-6)
+    assert torch.allclose(grad, torch.autograd.grad(forward, theta_, retain_graph=True)[0], atol=1e-6)
+    assert not torch.allclose(grad, torch.autograd.grad(reverse, theta_)[0], atol=1e-3)
