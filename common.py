@@ -221,10 +221,10 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
         with autocast(prompt_ids.device):
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
         logits = out.logits[:, -1, :].float()  # (B, V)
-        if temperature > 0:
-            next_token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
-        else:
-            next_token = logits.argmax(dim=-1)
+        probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
+        if not torch.isfinite(logits).all() or (probs is not None and not torch.isfinite(probs).all()):
+            raise SystemExit("non-finite logits while sampling: the model diverged, or --temperature is too small")
+        next_token = torch.multinomial(probs, num_samples=1).squeeze(1) if temperature > 0 else logits.argmax(dim=-1)
         next_token = next_token.masked_fill(done, pad_token_id)  # (B,)
         tokens.append(next_token)
         done = done | (next_token == eos_token_id)

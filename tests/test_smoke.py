@@ -72,3 +72,10 @@ def test_bad_input_fails_fast_through_the_command_line():
     result = run("grpo.py", "--group-size", "1")  # fails before the (possibly uncached) built-in model is loaded
     assert result.returncode != 0 and "--group-size 1: GRPO needs at least 2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_non_finite_values_stop_the_run_with_a_message(model_dir, tmp_path):
+    flags = ["--model-name-or-path", model_dir, "--temperature", "1e-45", "--output-dir", str(tmp_path), *SMALL]
+    result = run("grpo.py", *flags)  # logits / 1e-45 overflow: sampling probabilities are NaN
+    assert result.returncode != 0
+    assert "non-finite logits while sampling" in result.stderr and "Traceback" not in result.stderr
