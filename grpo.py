@@ -1,20 +1,19 @@
-"""GRPO: group relative policy optimization with outcome rewards.
+"""GRPO: group relative policy optimisation with outcome rewards (Shao et al. 2024, DeepSeekMath, §4.1).
 
-For every prompt the frozen behaviour policy samples a group of G responses; each response's advantage is its reward
-standardised within the group, broadcast to all of its tokens, and plugged into PPO's clipped surrogate; a k3 penalty
-keeps the policy near a frozen reference model. No value network is trained.
+For every prompt the behaviour policy samples a group of G responses. A response's advantage is its reward
+standardised within its group, shared by all of its tokens and plugged into PPO's clipped surrogate; a k3 penalty
+keeps the policy near a frozen reference model. There is no value network: the group is the baseline.
 
     python grpo.py --group-size 8
 
-Paper: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-§4.1 (outcome supervision, eq. 3 and 4). Departures from the paper:
-1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model; the reward model is never retrained
-   and the reference model is never reset (no "iterative GRPO").
-2. The group standard deviation is the population one (divide by G). Most libraries use the sample std (G - 1).
-3. A group whose rewards are all equal gets an advantage of exactly 0 (not 0/eps noise, never NaN).
-4. The k3 KL penalty is the paper's; its gradient is not the gradient of KL(pi || pi_ref): see `compute_loss`.
-5. The rollout batch is split into `num_minibatches` minibatches, one optimizer step each, for `num_epochs` passes
-   (the paper's mu); gradients are clipped and the optimizer is AdamW without weight decay.
+Departures from the paper:
+1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
+   warm-up policy, never reset.
+2. The group std is the population std (divide by G), as in the notes; most libraries use the sample std (G - 1).
+3. A group whose rewards are all equal gets an advantage of exactly 0, never 0/eps noise or NaN.
+4. The gradient of the k3 penalty estimates the gradient of KL(pi_ref || pi), not of KL(pi || pi_ref): see compute_loss.
+5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
+   paper's mu); gradients are clipped.
 """
 
 import os
@@ -85,7 +84,7 @@ def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_common_args(args)
     if args.group_size < 2:
-        raise SystemExit(f"--group-size {args.group_size}: GRPO needs at least 2 responses per prompt to compare")
+        raise SystemExit(f"--group-size {args.group_size}: needs at least 2 responses per prompt to compare")
     if args.clip_eps <= 0:
         raise SystemExit(f"--clip-eps {args.clip_eps}: must be positive")
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
@@ -119,9 +118,9 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
 
     logprobs, old_logprobs, ref_logprobs, mask: (N, T); advantages: (N,). Per token: the clipped surrogate
     min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) minus beta * k3; averaged over each response's valid tokens,
-    then summed over responses and divided by `num_responses` (default N). Passing the minibatch's response count
-    lets micro-batches of a minibatch add up to exactly the minibatch's loss."""
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token, eq. (28) of the notes
+    then over responses. With `num_responses` (the minibatch's response count) a micro-batch returns its share of the
+    minibatch's loss, so that micro-batches add up to exactly the minibatch's loss and gradient."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
     pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv)  # (N, T)
     loss = pg_loss
@@ -133,13 +132,13 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
         kl = torch.exp(log_r) - log_r - 1  # (N, T)
         loss = pg_loss + args.beta * kl
     num_tokens = mask.sum(dim=1).clamp(min=1)  # (N,) |o_i|
-    per_response = torch.where(mask, loss, 0.0).sum(dim=1) / num_tokens  # (N,) 1/|o_i| sum_t
-    total = per_response.sum() / (num_responses or len(per_response))
+    reduce = lambda x: (torch.where(mask, x, 0.0).sum(dim=1) / num_tokens).mean()  # mean_i 1/|o_i| sum_t x_it
+    total = reduce(loss) * len(loss) / (num_responses or len(loss))  # this batch's share of the minibatch's loss
 
     with torch.no_grad():
         token_mean = lambda x: x[mask].mean()  # noqa: E731
         metrics = {
-            "loss/policy": (torch.where(mask, pg_loss, 0.0).sum(dim=1) / num_tokens).mean(),
+            "loss/policy": reduce(pg_loss),
             "train/ratio_mean": token_mean(ratio),
             "train/ratio_min": ratio[mask].min(),
             "train/ratio_max": ratio[mask].max(),
@@ -149,7 +148,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
         }
         if args.beta > 0:
             metrics["kl/ref"] = token_mean(kl)
-            metrics["loss/kl"] = (torch.where(mask, kl, 0.0).sum(dim=1) / num_tokens).mean() * args.beta
+            metrics["loss/kl"] = args.beta * reduce(kl)
     return total, metrics
 
 
