@@ -124,7 +124,9 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()  # join characters back without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
 
 
 def build_tiny_model(tokenizer):
@@ -147,12 +149,16 @@ def build_tiny_model(tokenizer):
 
 
 def builtin_model_dir(cache_dir: str) -> str:
-    """Where the warmed-up built-in model is cached. The folder name carries a hash of the warm-up recipe, so that
-    changing the recipe trains a new model instead of silently reusing a stale one."""
+    """Where the warmed-up built-in model is cached. The folder name carries a hash of the warm-up recipe (sft.py and
+    the code that builds the task, tokenizer and model), so that changing it trains a new model instead of silently
+    reusing a stale one."""
+    import inspect
+
     import sft
 
     cache_dir = cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
-    recipe = json.dumps(vars(sft.Args()), sort_keys=True) + str(build_tiny_model(build_tokenizer()).config.to_dict())
+    sources = [inspect.getsource(f) for f in (sft, make_addition_task, build_tokenizer, build_tiny_model, tokenize_prompts)]
+    recipe = json.dumps(vars(sft.Args()), sort_keys=True) + "".join(sources)
     return os.path.join(cache_dir, f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
 
 
@@ -193,15 +199,23 @@ def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device):
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device: torch.device):
-    """Left-padded prompt ids (B, P) and attention mask (B, P)."""
-    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    """Left-padded prompt ids (B, P) and attention mask (B, P): every prompt ends in the last column."""
+    enc = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and those of the model's generation config (chat models
+    often have several, e.g. an end-of-turn token besides end-of-text)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
+    return sorted({tokenizer.eos_token_id, *ids})
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """(B, T) mask of valid completion tokens: every generated token up to and including the first EOS, nothing after.
     Built from EOS alone, so it stays right when a tokenizer uses the same id for padding and EOS."""
-    is_eos = (completion_ids == eos_token_id).int()
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_ids, device=completion_ids.device)).int()
     return (is_eos.cumsum(dim=1) - is_eos) == 0
 
 
@@ -212,14 +226,16 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     temperature == 0 is greedy. Returns completion ids (B, T) (pad after the first EOS), mask (B, T), truncated (B,)."""
     from transformers import DynamicCache
 
-    eos_token_id, pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos_ids, pad_token_id = torch.tensor(eos_token_ids(model, tokenizer), device=prompt_ids.device), tokenizer.pad_token_id
+    if not prompt_mask[:, -1].all():
+        raise ValueError("generate needs left-padded prompts (see tokenize_prompts)")
     batch_size = prompt_ids.shape[0]
     input_ids, attention_mask = prompt_ids, prompt_mask
     position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
     cache, done, tokens = DynamicCache(), torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device), []
     for _ in range(max_new_tokens):
         with autocast(prompt_ids.device):
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
+            out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()  # (B, V)
         probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
         if not torch.isfinite(logits).all() or (probs is not None and not torch.isfinite(probs).all()):
@@ -227,15 +243,15 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
         next_token = torch.multinomial(probs, num_samples=1).squeeze(1) if temperature > 0 else logits.argmax(dim=-1)
         next_token = next_token.masked_fill(done, pad_token_id)  # (B,)
         tokens.append(next_token)
-        done = done | (next_token == eos_token_id)
+        done = done | torch.isin(next_token, eos_ids)
         if done.all():
             break
         input_ids = next_token[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
         position_ids = position_ids[:, -1:] + 1
     completion_ids = torch.stack(tokens, dim=1)  # (B, T)
-    truncated = ~(completion_ids == eos_token_id).any(dim=1)  # hit max_new_tokens without an EOS
-    return completion_ids, completion_mask(completion_ids, eos_token_id), truncated
+    truncated = ~torch.isin(completion_ids, eos_ids).any(dim=1)  # hit max_new_tokens without an EOS
+    return completion_ids, completion_mask(completion_ids, eos_ids), truncated
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float):
@@ -261,9 +277,26 @@ def frozen_logprobs(model, input_ids, attention_mask, completion_len: int, tempe
     return torch.cat([completion_logprobs(model, ids, mask, completion_len, temperature)[0] for ids, mask in chunks])
 
 
-def decode(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    ids = completion_ids.masked_fill(~mask, tokenizer.pad_token_id).tolist()
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+def cat_padded(tensors: list[torch.Tensor], value=0, left: bool = False) -> torch.Tensor:
+    """Concatenate (B_i, L_i) tensors along the batch, padding each to the longest L_i on the right (or the left).
+    1-D tensors are concatenated as they are."""
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    out = torch.full((sum(len(t) for t in tensors), width), value, dtype=tensors[0].dtype, device=tensors[0].device)
+    row = 0
+    for t in tensors:
+        columns = slice(width - t.shape[1], width) if left else slice(0, t.shape[1])
+        out[row : row + len(t), columns] = t
+        row += len(t)
+    return out
+
+
+def decode(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor) -> list[str]:
+    """The text of each completion: its valid tokens without the final EOS. Special tokens sampled inside an answer
+    are kept (and make it wrong), rather than silently dropped."""
+    lengths = (mask.sum(dim=1) - (~truncated).long()).tolist()  # drop the EOS of responses that ended
+    return [tokenizer.decode(ids[:n], skip_special_tokens=False) for ids, n in zip(completion_ids.tolist(), lengths)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -282,8 +315,8 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, ba
     for start in range(0, len(dataset), batch_size):
         batch = dataset[start : start + batch_size]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, batch["prompt"], device)
-        ids, mask, _ = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=0.0)
-        correct.append(task.reward(decode(tokenizer, ids, mask), batch["answer"]))
+        ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=0.0)
+        correct.append(task.reward(decode(tokenizer, ids, mask, truncated), batch["answer"]))
         lengths.append(mask.sum(dim=1).float().cpu())
     model.train(was_training)
     return {"eval/accuracy": torch.cat(correct).mean().item(), "eval/response_length": torch.cat(lengths).mean().item()}

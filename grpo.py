@@ -10,7 +10,7 @@ Departures from the paper:
 1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
    warm-up policy, never reset.
 2. The group std is the population std (divide by G), as in the notes; most libraries use the sample std (G - 1).
-3. A group whose rewards are all equal gets an advantage of exactly 0, never 0/eps noise or NaN.
+3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. The gradient of the k3 penalty estimates the gradient of KL(pi_ref || pi), not of KL(pi || pi_ref): see compute_loss.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
@@ -48,7 +48,7 @@ class Args:
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
 
     # Algorithm specific arguments
-    total_steps: int = 300
+    total_steps: int = 200
     """rollout-and-update steps"""
     num_prompts: int = 32
     """prompts per rollout"""
@@ -71,7 +71,7 @@ class Args:
     clip_eps: float = 0.2
     """PPO clip range epsilon"""
     beta: float = 0.04
-    """coefficient of the k3 KL penalty to the reference model (0: no reference model is loaded)"""
+    """coefficient of the KL penalty to the reference model (0: no reference model is loaded)"""
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
@@ -102,9 +102,9 @@ def check_args(args: Args) -> None:
 def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """A_i = (R_i - mean(R)) / (std(R) + eps) within each group (DeepSeekMath §4.1.2).
 
-    rewards: (N,) with each group's G responses contiguous. std is the population std (divide by G). eps only guards
-    the division and is unrelated to the clip epsilon. A group with equal rewards carries no signal: its advantage is
-    exactly 0."""
+    std is the population std (divide by G); eps only guards the division and is unrelated to the clip epsilon.
+    rewards: (N,) with each group's G responses contiguous. A group whose rewards are all equal carries no signal:
+    its advantage is exactly 0."""
     grouped = rewards.view(-1, group_size)  # (N / G, G)
     mean = grouped.mean(dim=1, keepdim=True)
     std = grouped.std(dim=1, keepdim=True, unbiased=False)  # population std: divide by G
@@ -117,19 +117,19 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     """Negative GRPO objective (DeepSeekMath eq. 3) on a batch of responses.
 
     logprobs, old_logprobs, ref_logprobs, mask: (N, T); advantages: (N,). Per token: the clipped surrogate
-    min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) minus beta * k3; averaged over each response's valid tokens,
-    then over responses. With `num_responses` (the minibatch's response count) a micro-batch returns its share of the
-    minibatch's loss, so that micro-batches add up to exactly the minibatch's loss and gradient."""
+    min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) minus beta * k3.
+    Reduction: the mean over each response's valid tokens, then the mean over responses.
+    With `num_responses` (the minibatch's response count) a micro-batch returns its share of the minibatch's loss,
+    so that micro-batches add up to exactly the minibatch's loss and gradient."""
     ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
-    pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps) * adv)  # (N, T)
+    low, high = 1 - args.clip_eps, 1 + args.clip_eps  # the clip range of the ratio
+    pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
     loss = pg_loss
     if args.beta > 0:
-        # k3 = r - log r - 1 with r = pi_ref / pi_theta (DeepSeekMath eq. 4): >= 0 per token, and its value is an
-        # unbiased estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta. Its gradient is not: at frozen
-        # samples, E[grad k3] = grad KL(pi_ref || pi_theta), the other direction. We keep the paper's term.
-        log_r = ref_logprobs - logprobs
-        kl = torch.exp(log_r) - log_r - 1  # (N, T)
+        # k3 = r - log r - 1, r = pi_ref / pi_theta (DeepSeekMath eq. 4). Its value estimates KL(pi || pi_ref), but at
+        # frozen samples its gradient estimates grad KL(pi_ref || pi), the other direction. We keep the paper's term.
+        kl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # (N, T) >= 0
         loss = pg_loss + args.beta * kl
     num_tokens = mask.sum(dim=1).clamp(min=1)  # (N,) |o_i|
     reduce = lambda x: (torch.where(mask, x, 0.0).sum(dim=1) / num_tokens).mean()  # mean_i 1/|o_i| sum_t x_it
@@ -142,13 +142,12 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
             "train/ratio_mean": token_mean(ratio),
             "train/ratio_min": ratio[mask].min(),
             "train/ratio_max": ratio[mask].max(),
-            "train/clip_frac_low": token_mean(((ratio < 1 - args.clip_eps) & (adv < 0)).float()),
-            "train/clip_frac_high": token_mean(((ratio > 1 + args.clip_eps) & (adv > 0)).float()),
+            "train/clip_frac_low": token_mean(((ratio < low) & (adv < 0)).float()),
+            "train/clip_frac_high": token_mean(((ratio > high) & (adv > 0)).float()),
             "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
         }
         if args.beta > 0:
-            metrics["kl/ref"] = token_mean(kl)
-            metrics["loss/kl"] = args.beta * reduce(kl)
+            metrics.update({"kl/ref": token_mean(kl), "loss/kl": args.beta * reduce(kl)})
     return total, metrics
 
 
@@ -205,10 +204,10 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored as they stand)
         # -------------------------------------------------------------------------------------------------------------
-        rewards = task.reward(common.decode(tokenizer, completion_ids, mask), answers).to(device)  # (B,)
+        rewards = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
 
         # -------------------------------------------------------------------------------------------------------------
-        # Advantage: standardised within each group
+        # Advantage: each response compared with its group
         # -------------------------------------------------------------------------------------------------------------
         advantages = compute_advantages(rewards, args.group_size)  # (B,)
         rollout_time = time.time() - step_start

@@ -31,8 +31,8 @@ class Args:
     """auto (CUDA when available), cpu or cuda"""
     max_steps: int = 1500
     """optimizer steps at most"""
-    target_accuracy: float = 0.55
-    """stop as soon as greedy accuracy on 500 training problems reaches this (checked every 50 steps)"""
+    target_accuracy: float = 0.5
+    """stop as soon as greedy accuracy on 500 training problems reaches this (checked every 25 steps)"""
     batch_size: int = 64
     """problems per step"""
     learning_rate: float = 1e-3
@@ -70,7 +70,7 @@ def warm_up(args: Args) -> dict:
         loss.backward()
         optimizer.step()
         schedule.step()
-        if step % 50 == 0:
+        if step % 25 == 0:
             accuracy = common.evaluate(model, tokenizer, task, args.max_new_tokens, dataset=check_set)["eval/accuracy"]
             if accuracy >= args.target_accuracy:
                 break

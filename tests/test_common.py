@@ -11,24 +11,57 @@ def test_completion_mask_runs_through_the_first_eos_only():
     eos = 1
     ids = torch.tensor([[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0], [5, 1, 1, 1]])  # the last one: pad id == eos id
     expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
-    assert torch.equal(common.completion_mask(ids, eos), expected)
+    assert torch.equal(common.completion_mask(ids, [eos]), expected)
+    # several end tokens (a chat model's end-of-turn besides end-of-text): the first of any ends the response
+    assert common.completion_mask(torch.tensor([[5, 9, 1, 4]]), [1, 9]).tolist() == [[True, True, False, False]]
+
+
+class ScriptedModel(torch.nn.Module):
+    """Stands in for a causal LM: row i emits token 5 until step script[i], then EOS (script[i] = -1: never EOS)."""
+
+    def __init__(self, script, eos, vocab=20):
+        super().__init__()
+        self.script, self.eos, self.vocab, self.step = script, eos, vocab, 0
+        self.calls = 0
+
+    def forward(self, input_ids, **kwargs):
+        logits = torch.full((len(input_ids), input_ids.shape[1], self.vocab), -10.0)
+        for i, stop in enumerate(self.script):
+            logits[i, -1, self.eos if self.step == stop else 5] = 10.0
+        self.step, self.calls = self.step + 1, self.calls + 1
+        return type("Out", (), {"logits": logits})()
 
 
 def test_generate_marks_eos_padding_and_truncation():
+    tokenizer = common.build_tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45=", "7+7=", "99+99="], torch.device("cpu"))
+    model = ScriptedModel([0, 2, 5, -1], eos)
+    ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, temperature=0.0)
+    assert ids.tolist() == [[eos, pad, pad, pad, pad], [5, 5, eos, pad, pad], [5, 5, 5, 5, 5], [5, 5, 5, 5, 5]]
+    assert mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1] * 5, [1] * 5]
+    assert truncated.tolist() == [False, False, True, True]
+    model = ScriptedModel([0, 1, 2, 1], eos)  # every row ends by the third token: generation stops there
+    ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, temperature=0.0)
+    assert model.calls == 3 and ids.shape == (4, 3) and not truncated.any()
+    assert common.decode(tokenizer, ids, mask, truncated) == ["", "2", "22", "2"]  # token 5 is the character "2"
+    with pytest.raises(ValueError, match="left-padded"):
+        common.generate(model, tokenizer, prompt_ids.flip(1), prompt_mask.flip(1), 5, temperature=0.0)
+
+
+def test_generate_samples_from_softmax_of_logits_over_temperature():
+    """Empirical first-token frequencies match softmax(logits / T) of a full forward pass."""
     model, *_ = tiny_model()
     tokenizer = common.build_tokenizer()
-    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45=", "7+7="], torch.device("cpu"))
-    torch.manual_seed(0)
-    ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 6, 1.0)
-    assert ids.shape[0] == 3 and ids.shape[1] <= 6 and mask.shape == ids.shape
-    for row, row_mask, trunc in zip(ids, mask, truncated):
-        eos_at = (row == tokenizer.eos_token_id).nonzero()
-        if trunc:
-            assert len(eos_at) == 0 and row_mask.all() and len(row) == 6
-        else:
-            first = eos_at[0].item()
-            assert row_mask[: first + 1].all() and not row_mask[first + 1 :].any()
-            assert (row[first + 1 :] == tokenizer.pad_token_id).all()
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["13+45="], torch.device("cpu"))
+    prompt_ids, prompt_mask = prompt_ids.expand(5000, -1), prompt_mask.expand(5000, -1)
+    with torch.no_grad():
+        logits = model(prompt_ids[:1]).logits[0, -1]
+    for temperature in (0.5, 2.0):
+        torch.manual_seed(0)
+        ids, _, _ = common.generate(model, tokenizer, prompt_ids, prompt_mask, 1, temperature)
+        freq = torch.bincount(ids[:, 0], minlength=len(tokenizer)).float() / len(ids)
+        assert torch.allclose(freq, torch.softmax(logits / temperature, dim=-1), atol=0.025), temperature
 
 
 def test_logprobs_do_not_depend_on_left_padding():
@@ -62,6 +95,7 @@ def test_generate_greedy_picks_the_argmax_and_matches_a_full_forward():
     model, *_ = tiny_model()
     tokenizer = common.build_tokenizer()
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45="], torch.device("cpu"))
+    assert not prompt_mask[0].all()  # the first prompt is left-padded
     ids, mask, _ = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, 0.0)
     input_ids = torch.cat([prompt_ids, ids], dim=1)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)

@@ -83,11 +83,20 @@ def test_clip_table_of_section_8_4():
         assert got_slope == pytest.approx(slope, abs=1e-6), (advantage, ratio)
 
 
-def test_clip_fractions_count_low_and_high_separately():
-    old = torch.zeros(2, 2)
-    logprobs = torch.log(torch.tensor([[1.5, 1.0], [0.5, 1.0]]))
-    _, m = grpo.compute_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool), args())
-    assert m["train/clip_frac_high"] == pytest.approx(0.25) and m["train/clip_frac_low"] == pytest.approx(0.25)
+def test_clip_fractions_count_only_tokens_on_a_plateau():
+    """Clipped (zero-gradient) tokens: A > 0 with ratio > 1 + eps, A < 0 with ratio < 1 - eps; the others are not."""
+    ratios = torch.tensor([[1.5, 0.5, 1.0], [0.5, 1.5, 1.0]])  # row 0 has A > 0, row 1 has A < 0
+    _, m = grpo.compute_loss(
+        ratios.log(), torch.zeros(2, 3), None, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool), args()
+    )
+    assert m["train/clip_frac_high"] == pytest.approx(1 / 6) and m["train/clip_frac_low"] == pytest.approx(1 / 6)
+
+
+def test_approximate_kl_to_the_old_policy_is_k3():
+    ratios = torch.tensor([[0.5, 2.0]])
+    _, m = grpo.compute_loss(ratios.log(), torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2, dtype=torch.bool), args())
+    expected = ((ratios - 1 - ratios.log()).mean()).item()  # E_old[r - 1 - log r] = KL(pi_old || pi_theta)
+    assert m["kl/old_approx"].item() == pytest.approx(expected) and expected > 0.1
 
 
 def test_token_coefficients_are_1_over_20_and_1_over_200():

@@ -1,16 +1,22 @@
-"""Each script end to end through its command line, for two steps, on a briefly warmed-up tiny model."""
+"""Each script end to end for two steps on a briefly warmed-up tiny model: once through its command line in a fresh
+process, and for the checks that need several runs, in this process (same code path, without paying for the imports
+again)."""
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 
 import pytest
+import torch
 
+import common
 import grpo
 import sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--total-steps", "2", "--num-prompts", "4", "--group-size", "4", "--eval-every", "1", "--device", "cpu"]
 
 
 @pytest.fixture(scope="session")
@@ -22,8 +28,16 @@ def model_dir(tmp_path_factory):
 
 
 def run(script, *flags):
+    """The script's command line, in a fresh process."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
     return subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+
+
+def run_here(monkeypatch, script, *flags):
+    """The script's command line, in this process."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
 
 
 def rows(output_dir):
@@ -31,24 +45,55 @@ def rows(output_dir):
         return [json.loads(line) for line in f]
 
 
-SMALL = ["--total-steps", "2", "--num-prompts", "4", "--eval-every", "1", "--device", "cpu"]
+@pytest.mark.parametrize(
+    "script, keys",
+    [
+        ("grpo.py", ["loss/policy", "kl/ref", "loss/kl", "train/clip_frac_low", "train/entropy", "rollout/truncated_frac"]),
+        ("rloo.py", ["kl/ref", "train/clip_frac_high"]),
+        ("dr_grpo.py", ["train/ratio_max"]),
+        ("gspo.py", ["train/clip_frac_low"]),
+        ("dapo.py", ["rollout/prompts_sampled", "rollout/groups_kept_frac", "rollout/sampling_rounds"]),
+    ],
+)
+def test_end_to_end_through_the_command_line(model_dir, tmp_path, script, keys):
+    result = run(script, "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = rows(tmp_path)
+    assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
+    for key in ["rollout/reward_mean", "rollout/response_length", "time/step", "train/responses", *keys]:
+        assert key in logged[-1], key
+    assert os.path.isfile(os.path.join(tmp_path, "model", "config.json"))
 
 
-def test_grpo_end_to_end_and_deterministic(model_dir, tmp_path):
+def test_same_seed_same_metrics(model_dir, tmp_path, monkeypatch):
     runs = []
     for name in ("a", "b"):
-        out = str(tmp_path / name)
-        result = run("grpo.py", "--model-name-or-path", model_dir, "--group-size", "4", "--output-dir", out, *SMALL)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs.append(rows(out))
-    first = runs[0]
-    assert [r["step"] for r in first] == [0, 1, 2]
-    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in first)
-    for key in ("rollout/reward_mean", "loss/policy", "kl/ref", "train/clip_frac_low", "train/entropy", "time/step"):
-        assert key in first[1], key
-    assert os.path.isfile(os.path.join(tmp_path, "a", "model", "config.json"))
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]  # noqa: E731
-    assert strip(runs[0]) == strip(runs[1])  # same seed, same machine: identical metrics
+        run_here(monkeypatch, "grpo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path / name), *SMALL)
+        runs.append([{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(tmp_path / name)])
+    assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def test_later_minibatches_are_off_policy(model_dir, tmp_path, monkeypatch):
+    """With two minibatches the second one's ratios depart from 1: the old log-probs are the behaviour policy's, not
+    the current ones. Random rewards stand in for a competent policy, so that the first update moves the policy."""
+    generator = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.randint(0, 2, (len(c),), generator=generator).float())
+    run_here(monkeypatch, "grpo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
+    step = rows(tmp_path)[1]
+    assert step["train/ratio_max"] > 1.0001 and step["train/ratio_min"] < 0.9999 and step["kl/old_approx"] > 0
+
+
+def test_non_finite_values_stop_the_run_with_a_message(model_dir, tmp_path, monkeypatch):
+    flags = ["--model-name-or-path", model_dir, "--temperature", "1e-45", "--output-dir", str(tmp_path), *SMALL]
+    with pytest.raises(SystemExit, match="non-finite logits while sampling"):  # logits / 1e-45 overflow
+        run_here(monkeypatch, "grpo.py", *flags)
+
+
+def test_dapo_dynamic_sampling_stops_at_its_cap(model_dir, tmp_path, monkeypatch):
+    """Near-greedy sampling makes every group's responses identical: no group has signal, so the run must stop."""
+    flags = ["--model-name-or-path", model_dir, "--temperature", "0.001", "--max-sampling-rounds", "2"]
+    with pytest.raises(SystemExit, match="step 1: dynamic sampling kept only 0 of 4 groups .*--max-sampling-rounds"):
+        run_here(monkeypatch, "dapo.py", *flags, "--output-dir", str(tmp_path), *SMALL)
 
 
 @pytest.mark.parametrize(
@@ -70,12 +115,5 @@ def test_grpo_rejects_bad_input_naming_the_flag(overrides, message):
 
 def test_bad_input_fails_fast_through_the_command_line():
     result = run("grpo.py", "--group-size", "1")  # fails before the (possibly uncached) built-in model is loaded
-    assert result.returncode != 0 and "--group-size 1: GRPO needs at least 2" in result.stderr
+    assert result.returncode != 0 and "--group-size 1: needs at least 2" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_non_finite_values_stop_the_run_with_a_message(model_dir, tmp_path):
-    flags = ["--model-name-or-path", model_dir, "--temperature", "1e-45", "--output-dir", str(tmp_path), *SMALL]
-    result = run("grpo.py", *flags)  # logits / 1e-45 overflow: sampling probabilities are NaN
-    assert result.returncode != 0
-    assert "non-finite logits while sampling" in result.stderr and "Traceback" not in result.stderr

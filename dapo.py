@@ -1,0 +1,319 @@
+"""DAPO: decoupled clip and dynamic sampling policy optimisation (Yu et al. 2025, DAPO, §3).
+
+GRPO with four changes: a larger upper clip range (clip-higher), so that unlikely tokens with positive advantage can
+grow; dynamic sampling, which drops the groups whose rewards are all equal and samples more prompts until the batch
+is full of groups with signal; a token-level loss, every valid token of the optimizer batch weighted equally; and a
+soft punishment of responses that approach the generation budget (optionally masking truncated ones out of the loss).
+
+    python dapo.py
+
+Departures from the paper:
+1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
+   warm-up policy, never reset.
+2. The group std is the population std (divide by G), as in the notes; most libraries use the sample std (G - 1).
+3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
+4. No KL term (beta = 0), as in the paper; |y| counts the EOS token; dynamic sampling filters groups on the shaped
+   reward that the advantage sees, not on accuracy alone (eq. 11), so that no kept group has zero variance.
+5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
+   paper's mu); gradients are clipped.
+"""
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the script's name)"""
+    seed: int = 1
+    """seed of prompt sampling, generation and minibatch order"""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda"""
+    model_name_or_path: str = "builtin"
+    """'builtin' (the tiny model after its cached warm-up, see sft.py), a local folder, or a hub id"""
+    cache_dir: str = ""
+    """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
+    task: str = "addition"
+    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    output_dir: str = ""
+    """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
+    eval_every: int = 20
+    """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+
+    # Algorithm specific arguments
+    total_steps: int = 200
+    """rollout-and-update steps"""
+    num_prompts: int = 32
+    """prompts per rollout"""
+    group_size: int = 8
+    """responses per prompt (G)"""
+    num_minibatches: int = 2
+    """minibatches per rollout batch, one optimizer step each"""
+    num_epochs: int = 1
+    """passes over the rollout batch (the paper's mu)"""
+    micro_batch_size: int = 0
+    """responses per forward/backward pass, for memory (0: the whole minibatch); does not change the gradient"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    max_new_tokens: int = 8
+    """generation budget per response"""
+    clip_eps_low: float = 0.2  # DAPO: decoupled clip range (clip-higher, §3.1)
+    """lower clip range epsilon_low"""
+    clip_eps_high: float = 0.28
+    """upper clip range epsilon_high"""
+    beta: float = 0.0  # DAPO: no KL term
+    """coefficient of the KL penalty to the reference model (0: no reference model is loaded)"""
+    overlong_buffer: int = 4
+    """L_cache of the soft overlong punishment: responses longer than max_new_tokens - L_cache tokens lose up to 1"""
+    mask_truncated: bool = False
+    """overlong filtering: leave responses that hit max_new_tokens out of the loss"""
+    max_sampling_rounds: int = 8
+    """dynamic sampling: generation rounds allowed per step to fill the batch before the run stops"""
+
+    def __post_init__(self):
+        self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
+        self.batch_size = self.num_prompts * self.group_size  # responses per rollout
+        self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
+        self.micro_batch_size = self.micro_batch_size or self.minibatch_size
+
+
+def check_args(args: Args) -> None:
+    """Fail fast with the flag's name, before any expensive work."""
+    common.check_common_args(args)
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size {args.group_size}: needs at least 2 responses per prompt to compare")
+    if args.clip_eps_low <= 0 or args.clip_eps_high <= 0:
+        raise SystemExit(f"--clip-eps-low {args.clip_eps_low}, --clip-eps-high {args.clip_eps_high}: must be positive")
+    if not 1 <= args.overlong_buffer <= args.max_new_tokens or args.max_sampling_rounds < 1:
+        raise SystemExit("--overlong-buffer must be in [1, --max-new-tokens] and --max-sampling-rounds at least 1")
+    if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
+        raise SystemExit(
+            f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
+            f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Algorithm: advantage and loss (pure functions of tensors)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (R_i - mean(R)) / (std(R) + eps) within each group (DeepSeekMath §4.1.2).
+
+    std is the population std (divide by G); eps only guards the division and is unrelated to the clip epsilon.
+    rewards: (N,) with each group's G responses contiguous. A group whose rewards are all equal carries no signal:
+    its advantage is exactly 0."""
+    grouped = rewards.view(-1, group_size)  # (N / G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)  # population std: divide by G
+    advantages = (grouped - mean) / (std + eps)
+    advantages = advantages.masked_fill(grouped.eq(grouped[:, :1]).all(dim=1, keepdim=True), 0.0)
+    return advantages.view(-1)  # (N,)
+
+
+def compute_overlong_penalty(lengths: torch.Tensor, args: Args) -> torch.Tensor:
+    """DAPO eq. 13, soft overlong punishment, with L_max = max_new_tokens and L_cache = overlong_buffer: 0 for
+    |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to L_max, and -1 beyond. lengths: (N,)."""
+    return torch.clamp((args.max_new_tokens - args.overlong_buffer - lengths) / args.overlong_buffer, -1.0, 0.0)
+
+
+def filter_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling (eq. 11): True for each group whose rewards are not all equal. rewards: (N,) -> (N / G,)"""
+    grouped = rewards.view(-1, group_size)
+    return ~grouped.eq(grouped[:, :1]).all(dim=1)
+
+
+def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, num_tokens=None):
+    """Negative DAPO objective (DAPO eq. 10) on a batch of responses.
+
+    logprobs, old_logprobs, ref_logprobs, mask: (N, T); advantages: (N,). Per token: the clipped surrogate
+    min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) minus beta * k3.
+    Reduction: the sum over all valid tokens divided by their number, every token weighted equally.
+    With `num_tokens` (the minibatch's valid-token count) a micro-batch returns its share of the minibatch's loss,
+    so that micro-batches add up to exactly the minibatch's token mean (not a mean of micro-batch means)."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
+    low, high = 1 - args.clip_eps_low, 1 + args.clip_eps_high  # the clip range of the ratio; DAPO: decoupled
+    pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
+    loss = pg_loss
+    if args.beta > 0:
+        # k3 = r - log r - 1, r = pi_ref / pi_theta (DeepSeekMath eq. 4). Its value estimates KL(pi || pi_ref), but at
+        # frozen samples its gradient estimates grad KL(pi_ref || pi), the other direction. We keep the paper's term.
+        kl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # (N, T) >= 0
+        loss = pg_loss + args.beta * kl
+    reduce = lambda x: torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)  # DAPO: token-level mean
+    total = torch.where(mask, loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))  # share of the minibatch's loss
+
+    with torch.no_grad():
+        token_mean = lambda x: x[mask].mean()  # noqa: E731
+        metrics = {
+            "loss/policy": reduce(pg_loss),
+            "train/ratio_mean": token_mean(ratio),
+            "train/ratio_min": ratio[mask].min(),
+            "train/ratio_max": ratio[mask].max(),
+            "train/clip_frac_low": token_mean(((ratio < low) & (adv < 0)).float()),
+            "train/clip_frac_high": token_mean(((ratio > high) & (adv > 0)).float()),
+            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+        }
+        if args.beta > 0:
+            metrics.update({"kl/ref": token_mean(kl), "loss/kl": args.beta * reduce(kl)})
+    return total, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    common.seed_everything(args.seed)
+    device = common.get_device(args.device)
+    task = common.make_task(args.task)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
+    if args.beta > 0:
+        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+        ref_policy.requires_grad_(False)
+    # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    logger = common.MetricsLogger(args.output_dir)
+    rng = random.Random(args.seed)
+    responses = 0  # DAPO: generated responses, kept or not
+    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    logger.log(0, eval_metrics)
+
+    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+        # -------------------------------------------------------------------------------------------------------------
+        # Rollout: G responses per prompt from the frozen behaviour policy pi_old
+        # -------------------------------------------------------------------------------------------------------------
+        step_start = time.time()
+        # DAPO: dynamic sampling (§3.2), rounds of num_prompts prompts until num_prompts groups with unequal rewards
+        rounds, all_scores = [], []
+        for _ in range(args.max_sampling_rounds):
+            batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
+            prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
+            answers = [a for a in batch["answer"] for _ in range(args.group_size)]
+            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
+            completion_ids, mask, truncated = common.generate(
+                policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature
+            )  # (B, T), (B, T) through the first EOS, (B,)
+            scores = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(
+                device
+            )  # (B,) the verifier
+            rewards = scores + compute_overlong_penalty(mask.sum(dim=1), args)  # DAPO: soft overlong punishment
+            keep = filter_groups(rewards, args.group_size).repeat_interleave(args.group_size)  # (B,)
+            rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards)])
+            all_scores.append(scores)
+            if sum(len(r[0]) for r in rounds) >= args.batch_size:
+                break
+        else:
+            num_kept = sum(len(r[0]) for r in rounds) // args.group_size
+            raise SystemExit(
+                f"step {step}: dynamic sampling kept only {num_kept} of {args.num_prompts} groups with unequal rewards in "
+                f"{args.max_sampling_rounds} rounds (--max-sampling-rounds); the task is too easy or too hard for the policy"
+            )
+        kept = [common.cat_padded(list(t), left=i < 2)[: args.batch_size] for i, t in enumerate(zip(*rounds))]  # whole groups
+        prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards = kept  # padding: id 0, mask False
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        T = completion_ids.shape[1]
+        # with one optimizer step per rollout the policy is still pi_old when the loss is computed: the old log-probs
+        # are then the current ones detached, and a separate forward pass would be wasted work
+        on_policy = args.num_minibatches == 1 and args.num_epochs == 1
+        old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
+        if not on_policy:
+            old_logprobs = common.frozen_logprobs(
+                policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
+        if args.beta > 0:
+            ref_logprobs = common.frozen_logprobs(
+                ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored, then punished)
+        # -------------------------------------------------------------------------------------------------------------
+        # DAPO: computed in the sampling rounds above, with the overlong punishment; optionally drop truncated responses
+        loss_mask = mask & ~truncated[:, None] if args.mask_truncated else mask  # (B, T)
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Advantage: each response compared with its group
+        # -------------------------------------------------------------------------------------------------------------
+        advantages = compute_advantages(rewards, args.group_size)  # (B,)
+        rollout_time = time.time() - step_start
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Update: num_epochs passes over num_minibatches minibatches, one optimizer step each
+        # -------------------------------------------------------------------------------------------------------------
+        train_metrics = []
+        for _ in range(args.num_epochs):
+            for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
+                optimizer.zero_grad()
+                num_tokens = loss_mask[mb_idx].sum().clamp(min=1)  # DAPO: the token mean is over the whole minibatch
+                for idx in mb_idx.split(args.micro_batch_size):
+                    logprobs, entropy = common.completion_logprobs(
+                        policy, input_ids[idx], attention_mask[idx], T, args.temperature
+                    )  # (b, T) each
+                    mb_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
+                    mb_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
+                    loss, metrics = compute_loss(
+                        logprobs, mb_old_logprobs, mb_ref_logprobs, advantages[idx], loss_mask[idx], args, num_tokens
+                    )
+                    common.check_finite(loss, "loss", step)
+                    loss.backward()
+                    metrics["train/entropy"] = entropy[mask[idx]].mean()
+                    train_metrics.append(metrics)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                common.check_finite(grad_norm, "gradient norm", step)
+                optimizer.step()
+                train_metrics[-1]["train/grad_norm"] = grad_norm
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Log and evaluate
+        # -------------------------------------------------------------------------------------------------------------
+        grouped = torch.cat(all_scores).view(-1, args.group_size)  # DAPO: every sampled group, kept or not
+        responses += grouped.numel()
+        row = common.aggregate(train_metrics)
+        row.update(
+            {
+                "rollout/reward_mean": grouped.mean(),
+                "rollout/prompts_sampled": len(all_scores) * args.num_prompts,
+                "rollout/groups_kept_frac": sum(len(r[0]) for r in rounds) / grouped.numel(),
+                "rollout/sampling_rounds": len(all_scores),
+                "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
+                "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
+                "rollout/response_length": mask.sum(dim=1).float().mean(),
+                "rollout/truncated_frac": truncated.float().mean(),
+                "time/rollout": rollout_time,
+                "time/step": time.time() - step_start,
+                "train/responses": responses,
+            }
+        )
+        if step % args.eval_every == 0 or step == args.total_steps:
+            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+            row.update(eval_metrics)
+        logger.log(step, row)
+        bar.set_postfix(reward=f"{grouped.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Save
+    # -----------------------------------------------------------------------------------------------------------------
+    policy.save_pretrained(os.path.join(args.output_dir, "model"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    logger.close()
+    print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

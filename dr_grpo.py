@@ -1,0 +1,267 @@
+"""Dr. GRPO: GRPO done right (Liu et al. 2025, Understanding R1-Zero-Like Training, §3.2).
+
+GRPO with its two normalisations removed. A response's advantage is its reward minus its group's mean, with no
+division by the group std, and the loss sums the clipped surrogate over all valid tokens and divides by a constant,
+the number of responses times max_new_tokens, never by the sampled lengths. No KL term by default.
+
+    python dr_grpo.py
+
+Departures from the paper:
+1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
+   warm-up policy, never reset.
+2. The centred advantage is (G-1)/G times RLOO's: on-policy and unclipped, the expected gradient is (G-1)/G of the
+   reward gradient, times 1/max_new_tokens (rloo.py removes the first factor).
+3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
+4. No KL term by default (beta = 0); with beta > 0 it is GRPO's k3 penalty, under the same constant normaliser.
+5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
+   paper's mu); gradients are clipped.
+"""
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the script's name)"""
+    seed: int = 1
+    """seed of prompt sampling, generation and minibatch order"""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda"""
+    model_name_or_path: str = "builtin"
+    """'builtin' (the tiny model after its cached warm-up, see sft.py), a local folder, or a hub id"""
+    cache_dir: str = ""
+    """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
+    task: str = "addition"
+    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    output_dir: str = ""
+    """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
+    eval_every: int = 20
+    """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+
+    # Algorithm specific arguments
+    total_steps: int = 200
+    """rollout-and-update steps"""
+    num_prompts: int = 32
+    """prompts per rollout"""
+    group_size: int = 8
+    """responses per prompt (G)"""
+    num_minibatches: int = 2
+    """minibatches per rollout batch, one optimizer step each"""
+    num_epochs: int = 1
+    """passes over the rollout batch (the paper's mu)"""
+    micro_batch_size: int = 0
+    """responses per forward/backward pass, for memory (0: the whole minibatch); does not change the gradient"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    max_new_tokens: int = 8
+    """generation budget per response"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon"""
+    beta: float = 0.0  # Dr. GRPO: no KL term
+    """coefficient of the KL penalty to the reference model (0: no reference model is loaded)"""
+
+    def __post_init__(self):
+        self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
+        self.batch_size = self.num_prompts * self.group_size  # responses per rollout
+        self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
+        self.micro_batch_size = self.micro_batch_size or self.minibatch_size
+
+
+def check_args(args: Args) -> None:
+    """Fail fast with the flag's name, before any expensive work."""
+    common.check_common_args(args)
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size {args.group_size}: needs at least 2 responses per prompt to compare")
+    if args.clip_eps <= 0:
+        raise SystemExit(f"--clip-eps {args.clip_eps}: must be positive")
+    if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
+        raise SystemExit(
+            f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
+            f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Algorithm: advantage and loss (pure functions of tensors)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A_i = R_i - mean(R) within each group (Dr. GRPO §3.2): no division by the group std.
+
+    rewards: (N,) with each group's G responses contiguous. A group whose rewards are all equal carries no signal:
+    its advantage is exactly 0."""
+    grouped = rewards.view(-1, group_size)  # (N / G, G)
+    mean = grouped.mean(dim=1, keepdim=True)
+    advantages = grouped - mean  # Dr. GRPO: no std
+    advantages = advantages.masked_fill(grouped.eq(grouped[:, :1]).all(dim=1, keepdim=True), 0.0)
+    return advantages.view(-1)  # (N,)
+
+
+def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, num_responses=None):
+    """Negative Dr. GRPO objective (Dr. GRPO §3.2) on a batch of responses.
+
+    logprobs, old_logprobs, ref_logprobs, mask: (N, T); advantages: (N,). Per token: the clipped surrogate
+    min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) minus beta * k3.
+    Reduction: the sum over all valid tokens divided by a constant, N * max_new_tokens (never the sampled lengths).
+    With `num_responses` (the minibatch's response count) a micro-batch returns its share of the minibatch's loss,
+    so that micro-batches add up to exactly the minibatch's loss and gradient."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
+    low, high = 1 - args.clip_eps, 1 + args.clip_eps  # the clip range of the ratio
+    pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
+    loss = pg_loss
+    if args.beta > 0:
+        # k3 = r - log r - 1, r = pi_ref / pi_theta (DeepSeekMath eq. 4). Its value estimates KL(pi || pi_ref), but at
+        # frozen samples its gradient estimates grad KL(pi_ref || pi), the other direction. We keep the paper's term.
+        kl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # (N, T) >= 0
+        loss = pg_loss + args.beta * kl
+    reduce = lambda x: torch.where(mask, x, 0.0).sum() / (len(x) * args.max_new_tokens)  # Dr. GRPO: constant normaliser
+    total = reduce(loss) * len(loss) / (num_responses or len(loss))  # this batch's share of the minibatch's loss
+
+    with torch.no_grad():
+        token_mean = lambda x: x[mask].mean()  # noqa: E731
+        metrics = {
+            "loss/policy": reduce(pg_loss),
+            "train/ratio_mean": token_mean(ratio),
+            "train/ratio_min": ratio[mask].min(),
+            "train/ratio_max": ratio[mask].max(),
+            "train/clip_frac_low": token_mean(((ratio < low) & (adv < 0)).float()),
+            "train/clip_frac_high": token_mean(((ratio > high) & (adv > 0)).float()),
+            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+        }
+        if args.beta > 0:
+            metrics.update({"kl/ref": token_mean(kl), "loss/kl": args.beta * reduce(kl)})
+    return total, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    common.seed_everything(args.seed)
+    device = common.get_device(args.device)
+    task = common.make_task(args.task)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
+    if args.beta > 0:
+        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+        ref_policy.requires_grad_(False)
+    # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    logger = common.MetricsLogger(args.output_dir)
+    rng = random.Random(args.seed)
+    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    logger.log(0, eval_metrics)
+
+    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+        # -------------------------------------------------------------------------------------------------------------
+        # Rollout: G responses per prompt from the frozen behaviour policy pi_old
+        # -------------------------------------------------------------------------------------------------------------
+        step_start = time.time()
+        batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
+        prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
+        answers = [a for a in batch["answer"] for _ in range(args.group_size)]
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
+        completion_ids, mask, truncated = common.generate(
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature
+        )  # (B, T), (B, T) through the first EOS, (B,)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        T = completion_ids.shape[1]
+        # with one optimizer step per rollout the policy is still pi_old when the loss is computed: the old log-probs
+        # are then the current ones detached, and a separate forward pass would be wasted work
+        on_policy = args.num_minibatches == 1 and args.num_epochs == 1
+        old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
+        if not on_policy:
+            old_logprobs = common.frozen_logprobs(
+                policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
+        if args.beta > 0:
+            ref_logprobs = common.frozen_logprobs(
+                ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored as they stand)
+        # -------------------------------------------------------------------------------------------------------------
+        rewards = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Advantage: each response compared with its group
+        # -------------------------------------------------------------------------------------------------------------
+        advantages = compute_advantages(rewards, args.group_size)  # (B,)
+        rollout_time = time.time() - step_start
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Update: num_epochs passes over num_minibatches minibatches, one optimizer step each
+        # -------------------------------------------------------------------------------------------------------------
+        train_metrics = []
+        for _ in range(args.num_epochs):
+            for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
+                optimizer.zero_grad()
+                for idx in mb_idx.split(args.micro_batch_size):
+                    logprobs, entropy = common.completion_logprobs(
+                        policy, input_ids[idx], attention_mask[idx], T, args.temperature
+                    )  # (b, T) each
+                    mb_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
+                    mb_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
+                    loss, metrics = compute_loss(
+                        logprobs, mb_old_logprobs, mb_ref_logprobs, advantages[idx], mask[idx], args, len(mb_idx)
+                    )
+                    common.check_finite(loss, "loss", step)
+                    loss.backward()
+                    metrics["train/entropy"] = entropy[mask[idx]].mean()
+                    train_metrics.append(metrics)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                common.check_finite(grad_norm, "gradient norm", step)
+                optimizer.step()
+                train_metrics[-1]["train/grad_norm"] = grad_norm
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Log and evaluate
+        # -------------------------------------------------------------------------------------------------------------
+        grouped = rewards.view(-1, args.group_size)
+        row = common.aggregate(train_metrics)
+        row.update(
+            {
+                "rollout/reward_mean": rewards.mean(),
+                "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
+                "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
+                "rollout/response_length": mask.sum(dim=1).float().mean(),
+                "rollout/truncated_frac": truncated.float().mean(),
+                "time/rollout": rollout_time,
+                "time/step": time.time() - step_start,
+                "train/responses": step * args.batch_size,
+            }
+        )
+        if step % args.eval_every == 0 or step == args.total_steps:
+            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+            row.update(eval_metrics)
+        logger.log(step, row)
+        bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Save
+    # -----------------------------------------------------------------------------------------------------------------
+    policy.save_pretrained(os.path.join(args.output_dir, "model"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    logger.close()
+    print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

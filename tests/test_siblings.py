@@ -1,0 +1,264 @@
+"""rloo.py, dr_grpo.py, dapo.py and gspo.py against RLOO §2.3, Dr. GRPO §3.2, DAPO §3 and GSPO §4 as the notes derive them."""
+
+import itertools
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+
+import dapo
+import dr_grpo
+import grpo
+import gspo
+import rloo
+from helpers import tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("script, budget", [("rloo.py", 50), ("dr_grpo.py", 40), ("gspo.py", 40), ("dapo.py", 140)])
+def test_diff_budget_against_grpo(script, budget):
+    """A sibling changes grpo.py only where its algorithm differs: lines starting with < or > in `diff grpo.py X`."""
+    out = subprocess.run(["diff", "grpo.py", script], cwd=ROOT, capture_output=True, text=True).stdout
+    changed = sum(line.startswith(("<", ">")) for line in out.splitlines())
+    assert 0 < changed <= budget, f"{script}: {changed} changed lines, budget {budget}"
+
+
+def ones(n, t=1):
+    return torch.ones(n, t, dtype=torch.bool)
+
+
+# --- advantages ------------------------------------------------------------------------------------------------------
+
+
+def test_rloo_advantage_is_leave_one_out_and_g_over_g_minus_1_times_centred():
+    torch.manual_seed(0)
+    rewards, g = torch.rand(24), 6
+    adv = rloo.compute_advantages(rewards, g)
+    grouped = rewards.view(-1, g)
+    others = torch.stack([torch.cat([row[:i], row[i + 1 :]]).mean() for row in grouped for i in range(g)])
+    assert torch.allclose(adv, rewards - others, atol=1e-6)
+    assert torch.allclose(adv, (g / (g - 1) * (grouped - grouped.mean(dim=1, keepdim=True))).view(-1), atol=1e-6)
+
+
+def test_dr_grpo_advantage_is_centred_without_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    assert torch.allclose(dr_grpo.compute_advantages(rewards, 4), torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+
+
+@pytest.mark.parametrize("module", [rloo, dr_grpo, gspo, dapo])
+def test_zero_variance_groups_get_exactly_zero(module):
+    adv = module.compute_advantages(torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.0, 1.0, 1.0]), 3)
+    assert torch.equal(adv[:6], torch.zeros(6)) and adv[6:].abs().min() > 0
+
+
+# --- expected gradients by exact enumeration over a tiny autoregressive policy (§10.2, §11.2, §11.4) ------------------
+# Vocabulary {a, b, EOS}, at most two tokens: first-token logits theta[0], second-token logits theta[1 + y1]. A response
+# is EOS alone (1 token) or y1 followed by any token (2 tokens; without EOS it is truncated). Seven responses in all.
+
+RESPONSES = [(2,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+REWARDS = torch.tensor([0.0, 1.0, 0.3, 2.0, 0.0, -1.0, 0.5])
+
+
+def response_logprobs(theta, response):
+    """(1, 2) token log-probs of a response, padded with 0 where it has ended, and its (1, 2) mask."""
+    first = torch.log_softmax(theta[0], dim=0)[response[0]]
+    second = torch.log_softmax(theta[1 + response[0]], dim=0)[response[1]] if len(response) == 2 else torch.zeros(())
+    return torch.stack([first, second])[None], torch.tensor([[True, len(response) == 2]])
+
+
+THETA = torch.tensor([[0.2, -0.4, 0.1], [0.5, 0.0, -0.3], [-0.2, 0.3, 0.6]])
+
+
+def expected_gradient(module, group_size, shape_reward=None, **overrides):
+    """E over all ordered groups of G responses of -grad(module.compute_loss) at the on-policy point, theta = THETA."""
+    args = module.Args(beta=0.0, **overrides)
+    theta = THETA.clone().requires_grad_(True)
+    probs = torch.stack([response_logprobs(theta, r)[0].sum() for r in RESPONSES]).exp().detach()
+    total = torch.zeros_like(theta)
+    for group in itertools.product(range(len(RESPONSES)), repeat=group_size):
+        logprobs, mask = map(torch.cat, zip(*(response_logprobs(theta, RESPONSES[i]) for i in group)))
+        rewards = REWARDS[list(group)]
+        if shape_reward is not None:
+            rewards = shape_reward(rewards, group, logprobs.detach(), mask)
+        advantages = module.compute_advantages(rewards, group_size)
+        loss, _ = module.compute_loss(logprobs, logprobs.detach(), None, advantages, mask, args)
+        (grad,) = torch.autograd.grad(loss, theta)
+        total -= probs[list(group)].prod() * grad
+    return total
+
+
+def true_gradient(beta=0.0, ref_theta=None):
+    """grad of E[R] - beta * KL(pi || pi_ref) over the seven responses, at theta = THETA."""
+    theta = THETA.clone().requires_grad_(True)
+    logp = torch.stack([response_logprobs(theta, r)[0].sum() for r in RESPONSES])
+    objective = (logp.exp() * REWARDS).sum()
+    if beta:
+        ref_logp = torch.stack([response_logprobs(ref_theta, r)[0].sum() for r in RESPONSES])
+        objective = objective - beta * (logp.exp() * (logp - ref_logp)).sum()
+    return torch.autograd.grad(objective, theta)[0]
+
+
+@pytest.mark.parametrize("group_size", [2, 3])
+def test_rloo_expected_gradient_is_the_true_gradient(group_size):
+    """§11.2: the leave-one-out baseline and the per-response token sum give an unbiased sequence-level gradient."""
+    assert torch.allclose(expected_gradient(rloo, group_size), true_gradient(), atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [2, 3])
+def test_mean_centred_expected_gradient_is_g_minus_1_over_g_of_it(group_size):
+    """§11.2 and §11.5: the group mean includes the response itself; Dr. GRPO also divides by C = max_new_tokens."""
+    got = expected_gradient(dr_grpo, group_size, max_new_tokens=2)
+    assert torch.allclose(got, (group_size - 1) / group_size / 2 * true_gradient(), atol=1e-5)
+
+
+def test_grpo_length_normalisation_is_not_a_rescaled_true_gradient():
+    """§11.4: 1/|o_i| weights responses by their length, so no single factor recovers the true gradient."""
+    got, truth = expected_gradient(grpo, 2), true_gradient()
+    factor = (got * truth).sum() / (truth * truth).sum()
+    assert not torch.allclose(got, factor * truth, atol=1e-3)
+
+
+def test_rloo_with_the_kl_in_the_reward_is_unbiased_for_the_regularised_objective():
+    """§10.2: on-policy, R - beta * sum_t (log pi - log pi_ref) as a constant reward gives grad(E[R] - beta KL)."""
+    ref_theta, beta = torch.tensor([[0.0, 0.3, -0.1], [0.2, 0.2, 0.0], [0.1, -0.5, 0.4]]), 0.5
+
+    def shape(rewards, group, logprobs, mask):  # rloo.py's reward line, with pi_old = pi_theta (on-policy)
+        ref_logprobs = torch.cat([response_logprobs(ref_theta, RESPONSES[i])[0] for i in group])
+        return rewards - beta * torch.where(mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
+
+    assert torch.allclose(expected_gradient(rloo, 2, shape), true_gradient(beta, ref_theta), atol=1e-5)
+
+
+# --- token weights (§11.4) -------------------------------------------------------------------------------------------
+
+
+def token_gradients(module, args, **kwargs):
+    """Two responses of 10 and 100 tokens, advantage +1, ratio 1: the gradient of the objective on each token."""
+    mask = torch.zeros(2, 100, dtype=torch.bool)
+    mask[0, :10], mask[1, :] = True, True
+    logprobs = torch.full((2, 100), -1.0, requires_grad=True)
+    loss, _ = module.compute_loss(logprobs, logprobs.detach(), None, torch.tensor([1.0, 1.0]), mask, args, **kwargs)
+    (-loss).backward()
+    return logprobs.grad[0, :10], logprobs.grad[1]
+
+
+def test_dr_grpo_weights_every_token_1_over_200_at_c_100():
+    short, long = token_gradients(dr_grpo, dr_grpo.Args(max_new_tokens=100))
+    assert torch.allclose(short, torch.full((10,), 1 / 200)) and torch.allclose(long, torch.full((100,), 1 / 200))
+
+
+def test_dapo_weights_every_token_1_over_110():
+    short, long = token_gradients(dapo, dapo.Args())
+    assert torch.allclose(short, torch.full((10,), 1 / 110)) and torch.allclose(long, torch.full((100,), 1 / 110))
+
+
+def test_rloo_sums_over_tokens():
+    short, long = token_gradients(rloo, rloo.Args())
+    assert torch.allclose(short, torch.full((10,), 1 / 2)) and torch.allclose(long, torch.full((100,), 1 / 2))
+
+
+# --- clipping --------------------------------------------------------------------------------------------------------
+
+
+def test_dapo_clip_higher():
+    """eps_high = 0.28: a positive-advantage token at ratio 1.25 keeps its gradient, at 1.3 it has none."""
+    for ratio, has_gradient in ((1.25, True), (1.3, False), (0.7, True)):
+        logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
+        loss, _ = dapo.compute_loss(logprobs, torch.zeros(1, 1), None, torch.tensor([1.0]), ones(1), dapo.Args())
+        loss.backward()
+        assert (logprobs.grad.abs().item() > 0) == has_gradient, ratio
+    logprobs = torch.tensor([[math.log(0.75)]], requires_grad=True)  # negative advantage: the lower bound stays 0.2
+    loss, _ = dapo.compute_loss(logprobs, torch.zeros(1, 1), None, torch.tensor([-1.0]), ones(1), dapo.Args())
+    loss.backward()
+    assert logprobs.grad.item() == 0
+
+
+def test_gspo_sequence_ratio_is_the_geometric_mean_not_the_sequence_ratio():
+    """1000 tokens at per-token ratio 1.01: W = 1.01^1000 ~ 2.1e4, while GSPO's q = 1.01."""
+    old = torch.full((1, 1000), -2.0)
+    logprobs = old + math.log(1.01)
+    _, m = gspo.compute_loss(logprobs, old, None, torch.tensor([1.0]), ones(1, 1000), gspo.Args())
+    w = torch.exp((logprobs - old).sum()).item()
+    assert w == pytest.approx(1.01**1000, rel=1e-3) and 2.0e4 < w < 2.2e4
+    assert m["train/ratio_mean"].item() == pytest.approx(1.01, rel=1e-5)
+
+
+def test_gspo_clipped_response_has_zero_gradient_on_every_token():
+    """Response 0 (A > 0) has q = 1.001 > 1 + 4e-4: clipped as a whole. Response 1 (q = 1) gets q A / |o| per token."""
+    old = torch.zeros(2, 4)
+    logprobs = torch.stack([torch.full((4,), math.log(1.001)), torch.zeros(4)]).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    loss, _ = gspo.compute_loss(logprobs, old, None, torch.tensor([1.0, 1.0]), mask, gspo.Args())
+    (-loss).backward()
+    assert torch.equal(logprobs.grad[0], torch.zeros(4))
+    assert torch.allclose(logprobs.grad[1], torch.tensor([0.25, 0.25, 0.0, 0.0]))  # 1/G * q A / |o| = 1/2 * 1/2
+
+
+def test_gspo_and_grpo_coincide_on_policy():
+    torch.manual_seed(0)
+    logprobs = -torch.rand(4, 6)
+    mask = torch.rand(4, 6) > 0.3
+    mask[:, 0] = True
+    advantages = torch.randn(4)
+    grads = []
+    for module in (grpo, gspo):
+        lp = logprobs.clone().requires_grad_(True)
+        loss, _ = module.compute_loss(lp, lp.detach(), None, advantages, mask, module.Args(beta=0.0))
+        loss.backward()
+        grads.append(lp.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+# --- DAPO's reward shaping and dynamic sampling ------------------------------------------------------------------------
+
+
+def test_soft_overlong_punishment_has_three_regions():
+    """L_max = 20, L_cache = 5: 0 up to 15 tokens, linear to -1 at 20, -1 beyond."""
+    args = dapo.Args(max_new_tokens=20, overlong_buffer=5)
+    lengths = torch.tensor([3, 15, 16, 18, 20, 25])
+    expected = torch.tensor([0.0, 0.0, -0.2, -0.6, -1.0, -1.0])
+    assert torch.allclose(dapo.compute_overlong_penalty(lengths, args), expected)
+
+
+def test_dynamic_sampling_never_keeps_a_zero_variance_group():
+    torch.manual_seed(0)
+    for _ in range(20):
+        rewards = (torch.rand(64) > torch.rand(1)).float() + dapo.compute_overlong_penalty(
+            torch.randint(1, 9, (64,)), dapo.Args()
+        )
+        rewards[:8] = 1.0  # one group is all correct for sure
+        keep = dapo.filter_groups(rewards, 8)
+        assert not keep[0]
+        kept = rewards.view(-1, 8)[keep]
+        assert (kept.std(dim=1) > 0).all()
+        assert ((rewards.view(-1, 8).std(dim=1) > 0) == keep).all()
+
+
+# --- micro-batching --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo])
+def test_micro_batches_leave_the_gradient_unchanged(module):
+    import common
+
+    model, input_ids, attention_mask, mask = tiny_model(batch=6, seed=1)
+    advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.0)
+    with torch.no_grad():
+        old = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0] - 0.01
+    normaliser = {"num_tokens": mask.sum()} if module is dapo else {"num_responses": 6}
+
+    def gradient(micro):
+        model.zero_grad()
+        for idx in torch.arange(6).split(micro):
+            logprobs = common.completion_logprobs(model, input_ids[idx], attention_mask[idx], mask.shape[1], 1.0)[0]
+            loss, _ = module.compute_loss(logprobs, old[idx], None, advantages[idx], mask[idx], args, *normaliser.values())
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    whole = gradient(6)
+    assert whole.abs().sum() > 0
+    for micro in (2, 3):
+        assert torch.allclose(gradient(micro), whole, atol=1e-7, rtol=1e-5)
