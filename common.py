@@ -1,6 +1,7 @@
 """Plumbing shared by every script: seeding, device, the built-in task and its reward, the built-in tiny model,
 sampling, evaluation and metrics logging. No advantage estimator and no loss lives here: those are in the scripts."""
 
+import functools
 import hashlib
 import json
 import os
@@ -148,6 +149,12 @@ def build_tiny_model(tokenizer):
     return LlamaForCausalLM(config)
 
 
+def cache_root(cache_dir: str = "") -> str:
+    """--cache-dir, else $TINY_RLHF_CACHE, else ~/.cache/tiny-rlhf."""
+    return cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
+
+
+@functools.cache  # once per process, so that editing the sources during a run cannot change the answer
 def builtin_model_dir(cache_dir: str) -> str:
     """Where the warmed-up built-in model is cached. The folder name carries a hash of the warm-up recipe (sft.py and
     the code that builds the task, tokenizer and model), so that changing it trains a new model instead of silently
@@ -156,10 +163,9 @@ def builtin_model_dir(cache_dir: str) -> str:
 
     import sft
 
-    cache_dir = cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
     sources = [inspect.getsource(f) for f in (sft, make_addition_task, build_tokenizer, build_tiny_model, tokenize_prompts)]
     recipe = json.dumps(vars(sft.Args()), sort_keys=True) + "".join(sources)
-    return os.path.join(cache_dir, f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
+    return os.path.join(cache_root(cache_dir), f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -172,20 +178,27 @@ def check_model_path(name: str) -> None:
         raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
 
 
+def resolve_model_path(name: str, cache_dir: str) -> str:
+    """'builtin' means the tiny model after its supervised warm-up on the built-in task (sft.py), trained the first
+    time it is needed and cached on disk: return its folder. Anything else is returned as it is, for from_pretrained."""
+    check_model_path(name)
+    if name != "builtin":
+        return name
+    path = builtin_model_dir(cache_dir)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        import sft
+
+        print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
+        sft.warm_up(sft.Args(output_dir=path))
+    return path
+
+
 def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device):
-    """Load a causal LM and its tokenizer. 'builtin' means the tiny model after its supervised warm-up on the built-in
-    task (sft.py), trained the first time it is needed and cached on disk; anything else goes to from_pretrained."""
+    """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model and
+    for a hub model alike."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_model_path(name)
-    path = name
-    if name == "builtin":
-        path = builtin_model_dir(cache_dir)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            import sft
-
-            print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
-            sft.warm_up(sft.Args(output_dir=path))
+    path = resolve_model_path(name, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
@@ -254,18 +267,18 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     return completion_ids, completion_mask(completion_ids, eos_ids), truncated
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float):
+def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float, entropy_grad=False):
     """log pi(y_t | x, y_<t) of each of the last `completion_len` tokens of `input_ids`, computed from logits / temperature
     so that they are the log-probs of the distribution the tokens were sampled from. Returns logprobs (B, T) and the
-    entropy of each of those next-token distributions (B, T, no gradient). Positions run from each row's first real
-    token, exactly as in `generate`."""
+    entropy of each of those next-token distributions (B, T; with a gradient only if `entropy_grad`). Positions run
+    from each row's first real token, exactly as in `generate`."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     with autocast(input_ids.device):
         out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_len + 1)
     logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts completion token t
     all_logprobs = torch.log_softmax(logits, dim=-1)
     logprobs = all_logprobs.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)  # (B, T)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)  # (B, T)
     return logprobs, entropy
 

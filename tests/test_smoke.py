@@ -53,6 +53,7 @@ def rows(output_dir):
         ("dr_grpo.py", ["train/ratio_max"]),
         ("gspo.py", ["train/clip_frac_low"]),
         ("dapo.py", ["rollout/prompts_sampled", "rollout/groups_kept_frac", "rollout/sampling_rounds"]),
+        ("ppo.py", ["loss/value", "train/explained_variance", "train/advantage_std", "kl/ref", "rollout/kl_penalty"]),
     ],
 )
 def test_end_to_end_through_the_command_line(model_dir, tmp_path, script, keys):
@@ -62,6 +63,24 @@ def test_end_to_end_through_the_command_line(model_dir, tmp_path, script, keys):
     assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
     for key in ["rollout/reward_mean", "rollout/response_length", "time/step", "train/responses", *keys]:
         assert key in logged[-1], key
+    assert os.path.isfile(os.path.join(tmp_path, "model", "config.json"))
+
+
+def test_dpo_end_to_end_through_the_command_line(model_dir, tmp_path):
+    pairs = [
+        {"prompt": f"{a:02d}+{b:02d}=", "chosen": str(a + b)[::-1], "rejected": str(a + b + 1)[::-1]}
+        for a, b in ((7, 45), (13, 9))
+    ]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs * 4))
+    flags = ["--dataset", str(tmp_path / "pairs.jsonl"), "--batch-size", "4", "--micro-batch-size", "2", "--total-steps", "2"]
+    result = run("dpo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), "--eval-every", "1", *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = rows(tmp_path)
+    assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
+    assert logged[0]["data/pairs"] == 8
+    for key in ("loss/dpo", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert key in logged[-1], key
+    assert logged[1]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference at the first step
     assert os.path.isfile(os.path.join(tmp_path, "model", "config.json"))
 
 

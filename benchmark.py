@@ -1,0 +1,172 @@
+"""Reference results: every algorithm with its default settings, over several seeds, on the built-in task.
+
+    pip install matplotlib        # only this script needs it
+    python benchmark.py           # 7 algorithms x 3 seeds, about an hour on a 2-core CPU
+    python benchmark.py --quick   # a sanity check of the whole pipeline in a few minutes
+
+Each run writes runs/benchmark/<algorithm>__<seed>/metrics.jsonl (existing complete runs are reused unless --fresh);
+the charts and a markdown table go to docs/. Runs are sequential, so that the wall-clock times are comparable.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import tyro
+
+ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo"]
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """seeds of every algorithm"""
+    algorithms: list[str] = field(default_factory=lambda: list(ALGORITHMS))
+    """which scripts to run"""
+    quick: bool = False
+    """a few steps and one seed, to check the pipeline (writes to runs/benchmark-quick and docs/quick)"""
+    fresh: bool = False
+    """rerun even when a complete metrics.jsonl exists"""
+    runs_dir: str = "runs/benchmark"
+    """where the runs go"""
+    docs_dir: str = "docs"
+    """where the charts and the table go"""
+
+
+def run_all(args: Args) -> dict:
+    """Run (or reuse) every algorithm x seed; return {algorithm: [rows of each seed's metrics.jsonl]}."""
+    results = {}
+    for algorithm in args.algorithms:
+        results[algorithm] = []
+        for seed in args.seeds:
+            out = os.path.join(args.runs_dir, f"{algorithm}__{seed}")
+            path = os.path.join(out, "metrics.jsonl")
+            if args.fresh or not complete(path):
+                flags = ["--seed", str(seed), "--output-dir", out]
+                if args.quick:
+                    flags += ["--total-steps", "10", "--eval-every", "5"] + (
+                        ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
+                    )
+                print(f"{algorithm} seed {seed} ...", flush=True)
+                start = time.time()
+                env = {**os.environ, "TQDM_DISABLE": "1"}
+                done = subprocess.run([sys.executable, f"{algorithm}.py", *flags], env=env, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"{algorithm} seed {seed} failed:\n{done.stderr[-3000:]}")
+                print(f"  {time.time() - start:.0f}s: {done.stdout.strip().splitlines()[-1]}", flush=True)
+            with open(path) as f:
+                results[algorithm].append([json.loads(line) for line in f])
+    return results
+
+
+def complete(path: str) -> bool:
+    """A run is complete when its file exists and its last row has the final evaluation."""
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        lines = f.read().splitlines()
+    return len(lines) > 1 and "eval/accuracy" in json.loads(lines[-1])
+
+
+def series(runs, key, x="time/elapsed"):
+    """Per seed, the (x, y) points where `key` was logged."""
+    return [[(r[x], r[key]) for r in rows if key in r and x in r] for rows in runs]
+
+
+def summary_table(results: dict) -> str:
+    lines = [
+        "| algorithm | start accuracy | end accuracy | minutes | median step (s) | responses generated |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    spread = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.pstdev(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
+    for algorithm, runs in results.items():
+        start = [rows[0]["eval/accuracy"] for rows in runs]
+        end = [rows[-1]["eval/accuracy"] for rows in runs]
+        minutes = [rows[-1]["time/elapsed"] / 60 for rows in runs]
+        steps = statistics.median(r["time/step"] for rows in runs for r in rows if "time/step" in r)
+        responses = statistics.mean(rows[-1].get("train/responses", 0) for rows in runs)
+        cells = [algorithm, spread(start), spread(end), f"{statistics.mean(minutes):.1f}", f"{steps:.2f}", f"{responses:,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, key: str, ylabel: str, path: str, x: str = "time/elapsed", xlabel: str = "wall-clock minutes"):
+    """Mean over seeds with a min-max band, for every algorithm that logs `key`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for algorithm, runs in results.items():
+        per_seed = [s for s in series(runs, key, x) if s]
+        if not per_seed:
+            continue
+        n = min(len(s) for s in per_seed)  # seeds log at the same steps; align on the shortest
+        xs = [statistics.mean(s[i][0] for s in per_seed) for i in range(n)]
+        xs = [v / 60 for v in xs] if x == "time/elapsed" else xs
+        ys = [[s[i][1] for s in per_seed] for i in range(n)]
+        ax.plot(xs, [statistics.mean(y) for y in ys], label=algorithm)
+        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
+        drawn = True
+    if drawn:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def zero_variance_fraction(results: dict) -> dict:
+    """Add rollout/zero_std_frac = all-correct + all-wrong group fractions, where both are logged."""
+    for runs in results.values():
+        for rows in runs:
+            for r in rows:
+                if "rollout/all_correct_frac" in r and "rollout/all_wrong_frac" in r:
+                    r["rollout/zero_std_frac"] = r["rollout/all_correct_frac"] + r["rollout/all_wrong_frac"]
+    return results
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    unknown = set(args.algorithms) - set(ALGORITHMS)
+    if unknown:
+        raise SystemExit(f"--algorithms: unknown {sorted(unknown)}; allowed: {', '.join(ALGORITHMS)}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("benchmark.py draws its charts with matplotlib: pip install matplotlib") from None
+    if args.quick:
+        args.seeds, args.runs_dir, args.docs_dir = (
+            args.seeds[:1],
+            args.runs_dir + "-quick",
+            os.path.join(args.docs_dir, "quick"),
+        )
+    results = zero_variance_fraction(run_all(args))
+    os.makedirs(args.docs_dir, exist_ok=True)
+    d = args.docs_dir
+    plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_time.png")
+    plot(
+        results,
+        "eval/accuracy",
+        "greedy held-out accuracy",
+        f"{d}/accuracy_vs_responses.png",
+        "train/responses",
+        "responses generated",
+    )
+    plot(results, "kl/ref", "KL to the reference (per token)", f"{d}/kl_ref.png")
+    plot(results, "rollout/response_length", "sampled response length (tokens)", f"{d}/response_length.png")
+    plot(results, "train/clip_frac_high", "clip fraction, positive advantages", f"{d}/clip_frac_high.png")
+    plot(results, "train/clip_frac_low", "clip fraction, negative advantages", f"{d}/clip_frac_low.png")
+    plot(results, "rollout/zero_std_frac", "fraction of zero-variance groups", f"{d}/zero_variance_groups.png")
+    table = summary_table(results)
+    with open(f"{d}/results.md", "w") as f:
+        f.write(f"Seeds {args.seeds}; mean ± population std (min-max) over seeds.\n\n{table}\n")
+    print(table)

@@ -1,0 +1,293 @@
+"""DPO: direct preference optimisation on (prompt, chosen, rejected) pairs (Rafailov et al. 2023, §4).
+
+The KL-regularised reward maximisation problem has the closed-form optimum pi*(y) proportional to
+pi_ref(y) exp(R(y) / beta), so the reward is beta log(pi* / pi_ref) up to a per-prompt constant that cancels in a
+difference. Substituting it into the Bradley-Terry likelihood of a preference gives a classification loss on pairs,
+-log sigmoid(beta * [(log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))]), with no sampling, no reward
+model and no critic during training. Sequence log-probs are sums over the completion tokens.
+
+    python dpo.py
+
+Built-in data: the warm-up policy answers each of `num_pair_prompts` training problems `group_size` times; a correct
+and a wrong answer to the same problem make a pair (problems without both are skipped and counted). The pairs are
+built once and cached. `--dataset` takes any local or hub dataset with prompt / chosen / rejected columns instead.
+
+Departures from the paper:
+1. Preferences come from the task's verifier (correct beats wrong), not from human labels, and the reference model
+   is the warm-up policy that also produced the pairs (on-distribution, as the paper recommends).
+2. Each completion ends with EOS, which counts as a token of the response (it is the policy's decision to stop).
+3. The reference log-probs are computed once, before training; dropout stays off (eval mode), so they are exact.
+"""
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the script's name)"""
+    seed: int = 1
+    """seed of prompt sampling, generation and minibatch order"""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda"""
+    model_name_or_path: str = "builtin"
+    """'builtin' (the tiny model after its cached warm-up, see sft.py), a local folder, or a hub id"""
+    cache_dir: str = ""
+    """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
+    task: str = "addition"
+    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    output_dir: str = ""
+    """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
+    eval_every: int = 20
+    """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+
+    # Algorithm specific arguments
+    total_steps: int = 120
+    """optimizer steps (about two epochs over the built-in pairs)"""
+    batch_size: int = 64
+    """pairs per optimizer step"""
+    micro_batch_size: int = 0
+    """pairs per forward/backward pass, for memory (0: the whole batch); does not change the gradient"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate (small: with beta = 0.1, larger steps drift away from the reference and lose accuracy)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    beta: float = 0.1
+    """the KL coefficient of the implicit reward beta * log(pi / pi_ref)"""
+    dataset: str = ""
+    """a local folder (datasets.save_to_disk or .json/.jsonl) or hub id with prompt, chosen, rejected columns
+    (default: pairs built from the warm-up policy's own answers)"""
+    num_pair_prompts: int = 4000
+    """built-in pairs: training problems to answer"""
+    group_size: int = 8
+    """built-in pairs: answers sampled per problem, at temperature 1"""
+    max_new_tokens: int = 8
+    """generation budget of the built-in pairs and of the evaluation"""
+
+    def __post_init__(self):
+        self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
+        self.micro_batch_size = self.micro_batch_size or self.batch_size
+
+
+def check_args(args: Args) -> None:
+    """Fail fast with the flag's name, before any expensive work."""
+    if args.task not in common.TASKS:
+        raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(common.TASKS)}")
+    common.check_model_path(args.model_name_or_path)
+    common.get_device(args.device)
+    if args.beta <= 0 or args.learning_rate <= 0:
+        raise SystemExit(f"--beta {args.beta} and --learning-rate {args.learning_rate}: must be positive")
+    for flag in ("total_steps", "batch_size", "num_pair_prompts", "group_size", "max_new_tokens", "eval_every"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.batch_size % args.micro_batch_size:
+        raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
+    if args.dataset and not os.path.exists(args.dataset) and not common.looks_like_hub_id(args.dataset):
+        raise SystemExit(f"--dataset {args.dataset!r}: no such file or folder, and not a hub id")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Algorithm: loss (a pure function of tensors)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def compute_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, args):
+    """DPO loss (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * Delta), averaged over pairs, with
+    Delta = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)). All inputs: (N,) sequence log-probs
+    (sums over completion tokens); the reference ones are constants. Its gradient per pair is
+    -beta * sigmoid(-beta * Delta) * (grad log pi(y_w) - grad log pi(y_l)) (§12.2 of the notes)."""
+    chosen_rewards = args.beta * (chosen_logps - ref_chosen_logps)  # (N,) implicit rewards beta * log(pi / pi_ref)
+    rejected_rewards = args.beta * (rejected_logps - ref_rejected_logps)
+    margins = chosen_rewards - rejected_rewards  # beta * Delta
+    loss = -F.logsigmoid(margins).mean()
+    with torch.no_grad():
+        metrics = {
+            "loss/dpo": loss,
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/margins": margins.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),  # strict: ties count as wrong
+        }
+    return loss, metrics
+
+
+def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, mask):
+    """log pi(y | x) = sum over the completion's valid tokens of log pi(y_t | x, y_<t) (prompt and padding
+    excluded). prompt_ids, prompt_mask: (N, P) left-padded; completion_ids, mask: (N, T) right-padded. Returns (N,)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+    logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1], 1.0)
+    return torch.where(mask, logprobs, 0.0).sum(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data: preference pairs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def build_pairs(policy, tokenizer, task, args, device):
+    """Pairs (prompt, chosen, rejected) from the policy's own answers, judged by the task's verifier."""
+    import datasets
+
+    rng = random.Random(0)  # the same pairs for every seed
+    prompts_all = task.train[rng.sample(range(len(task.train)), min(args.num_pair_prompts, len(task.train)))]
+    pairs, skipped = {"prompt": [], "chosen": [], "rejected": []}, 0
+    for start in tqdm(range(0, len(prompts_all["prompt"]), 64), desc="building pairs"):
+        prompts, answers = prompts_all["prompt"][start : start + 64], prompts_all["answer"][start : start + 64]
+        prompt_ids, prompt_mask = common.tokenize_prompts(
+            tokenizer, [p for p in prompts for _ in range(args.group_size)], device
+        )
+        completion_ids, mask, truncated = common.generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, 1.0)
+        texts = common.decode(tokenizer, completion_ids, mask, truncated)
+        correct = task.reward(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
+        ended = ~truncated  # only answers that ended with EOS
+        for i, prompt in enumerate(prompts):
+            group = range(i * args.group_size, (i + 1) * args.group_size)
+            good = Counter(texts[j] for j in group if correct[j] == 1 and ended[j])
+            bad = Counter(texts[j] for j in group if correct[j] == 0 and ended[j])
+            if not good or not bad:
+                skipped += 1
+                continue
+            # the most frequent correct and wrong answers: the policy's likeliest success against its likeliest mistake
+            pairs["prompt"].append(prompt)
+            pairs["chosen"].append(good.most_common(1)[0][0])
+            pairs["rejected"].append(bad.most_common(1)[0][0])
+    return datasets.Dataset.from_dict(pairs), skipped
+
+
+def load_pairs(args):
+    """A user's preference dataset: a folder saved with datasets, a .json/.jsonl file, or a hub id."""
+    import datasets
+
+    if os.path.isdir(args.dataset):
+        ds = datasets.load_from_disk(args.dataset)
+    elif args.dataset.endswith((".json", ".jsonl")):
+        ds = datasets.load_dataset("json", data_files=args.dataset, split="train")
+    else:
+        ds = datasets.load_dataset(args.dataset, split="train")
+    missing = {"prompt", "chosen", "rejected"} - set(ds.column_names)
+    if missing:
+        raise SystemExit(f"--dataset {args.dataset!r}: missing column(s) {', '.join(sorted(missing))}")
+    return ds
+
+
+def tokenize_pairs(tokenizer, pairs, device):
+    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS."""
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, pairs["prompt"], device)
+    out = [prompt_ids, prompt_mask]
+    for key in ("chosen", "rejected"):
+        ids = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for text in pairs[key]]
+        width = max(len(i) for i in ids)
+        out.append(torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device))
+        out.append(torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device))
+    return out  # prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    common.seed_everything(args.seed)
+    device = common.get_device(args.device)
+    task = common.make_task(args.task)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
+    logger = common.MetricsLogger(args.output_dir)  # its clock includes building the pairs
+    if args.dataset:
+        pairs, skipped = load_pairs(args), 0
+    else:
+        model_path = common.resolve_model_path(args.model_name_or_path, args.cache_dir)
+        key = json.dumps(
+            [
+                "most-frequent-v1",
+                os.path.abspath(model_path),
+                args.task,
+                args.num_pair_prompts,
+                args.group_size,
+                args.max_new_tokens,
+            ]
+        )
+        pairs_dir = os.path.join(common.cache_root(args.cache_dir), f"dpo-pairs-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
+        if os.path.isdir(pairs_dir):
+            import datasets
+
+            pairs = datasets.load_from_disk(pairs_dir)
+            skipped = json.load(open(os.path.join(pairs_dir, "skipped.json")))
+        else:
+            pairs, skipped = build_pairs(policy, tokenizer, task, args, device)
+            pairs.save_to_disk(pairs_dir)
+            json.dump(skipped, open(os.path.join(pairs_dir, "skipped.json"), "w"))
+    if len(pairs) < args.batch_size:
+        raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
+    generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
+    print(f"{len(pairs)} preference pairs ({skipped} prompts had no correct-and-wrong pair)")
+    data = tokenize_pairs(tokenizer, pairs[:], device)
+    with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
+        chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
+        ref_chosen_logps = torch.cat([sequence_logps(policy, *[data[k][i] for k in (0, 1, 2, 3)]) for i in chunks])
+        ref_rejected_logps = torch.cat([sequence_logps(policy, *[data[k][i] for k in (0, 1, 4, 5)]) for i in chunks])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    generator = torch.Generator(device="cpu").manual_seed(args.seed)
+    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    logger.log(0, {**eval_metrics, "data/pairs": len(pairs), "data/skipped_prompts": skipped})
+    order = torch.empty(0, dtype=torch.long)
+
+    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+        step_start = time.time()
+        if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
+            order = torch.randperm(len(pairs), generator=generator)
+        mb_idx, order = order[: args.batch_size].to(device), order[args.batch_size :]
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Update: one optimizer step per batch of pairs
+        # -------------------------------------------------------------------------------------------------------------
+        optimizer.zero_grad()
+        train_metrics = []
+        for idx in mb_idx.split(args.micro_batch_size):
+            prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask = [x[idx] for x in data]
+            chosen_logps = sequence_logps(policy, prompt_ids, prompt_mask, chosen_ids, chosen_mask)  # (b,)
+            rejected_logps = sequence_logps(policy, prompt_ids, prompt_mask, rejected_ids, rejected_mask)  # (b,)
+            loss, metrics = compute_loss(chosen_logps, rejected_logps, ref_chosen_logps[idx], ref_rejected_logps[idx], args)
+            loss = loss * len(idx) / len(mb_idx)  # micro-batches add up to the batch's mean
+            common.check_finite(loss, "loss", step)
+            loss.backward()
+            train_metrics.append(metrics)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        common.check_finite(grad_norm, "gradient norm", step)
+        optimizer.step()
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Log and evaluate
+        # -------------------------------------------------------------------------------------------------------------
+        row = common.aggregate(train_metrics)
+        row.update({"train/grad_norm": grad_norm, "time/step": time.time() - step_start, "train/responses": generated})
+        if step % args.eval_every == 0 or step == args.total_steps:
+            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+            row.update(eval_metrics)
+        logger.log(step, row)
+        bar.set_postfix(loss=f"{row['loss/dpo'].item():.3f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Save
+    # -----------------------------------------------------------------------------------------------------------------
+    policy.save_pretrained(os.path.join(args.output_dir, "model"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    logger.close()
+    print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -1,0 +1,346 @@
+"""PPO: proximal policy optimisation with a learned critic and GAE (Schulman et al. 2017; GAE, Schulman et al. 2015).
+
+The language-model form of InstructGPT (Ouyang et al. 2022): the behaviour policy samples one response per prompt;
+every response token gets the reward -beta * (log pi_old - log pi_ref), and the last one also gets the task's score.
+A critic, initialised from the warm-up policy with a scalar head, predicts the value of every prefix; GAE turns
+rewards and values into per-token advantages, which are whitened and plugged into the clipped surrogate for several
+epochs of minibatch updates, while the critic regresses onto the lambda-returns.
+
+    python ppo.py
+
+Departures from the papers:
+1. The reward is a verifier (1 correct, 0 wrong) at the last response token, not a learned reward model, and the
+   reference model is the warm-up policy, never reset.
+2. Truncation at max_new_tokens is treated as termination (V = 0 after the last token): the task scores the
+   truncated answer as final, so there is no future to bootstrap (§5.6 of the notes).
+3. The KL coefficient beta is fixed (no adaptive controller); the value loss is not clipped by default (see Args).
+4. The critic is a separate network with its own learning rate; the actor and critic losses are summed, but share no
+   parameters. Gradients are clipped per network; AdamW without weight decay.
+"""
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the script's name)"""
+    seed: int = 1
+    """seed of prompt sampling, generation and minibatch order"""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda"""
+    model_name_or_path: str = "builtin"
+    """'builtin' (the tiny model after its cached warm-up, see sft.py), a local folder, or a hub id"""
+    cache_dir: str = ""
+    """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
+    task: str = "addition"
+    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    output_dir: str = ""
+    """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
+    eval_every: int = 20
+    """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+
+    # Algorithm specific arguments
+    total_steps: int = 100
+    """rollout-and-update steps"""
+    num_prompts: int = 256
+    """prompts per rollout"""
+    group_size: int = 1
+    """responses per prompt (PPO needs no group: the critic is the baseline)"""
+    num_minibatches: int = 4
+    """minibatches per rollout batch, one optimizer step each"""
+    num_epochs: int = 2
+    """passes over the rollout batch"""
+    micro_batch_size: int = 0
+    """responses per forward/backward pass, for memory (0: the whole minibatch); does not change the gradient"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate of the policy"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    max_new_tokens: int = 8
+    """generation budget per response"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon"""
+    beta: float = 0.05
+    """coefficient of the per-token KL penalty in the reward (0: no reference model is loaded)"""
+    critic_learning_rate: float = 3e-4
+    """AdamW learning rate of the critic"""
+    gamma: float = 1.0
+    """discount; 1 for episodic text generation"""
+    lam: float = 0.95
+    """GAE lambda: 0 is the one-step TD residual, 1 the Monte Carlo return minus the value"""
+    whiten_advantages: bool = True
+    """standardise the advantages over the valid tokens of the batch (the returns are formed before this)"""
+    value_clip_eps: float = 0.0
+    """clip the value prediction to old value +- this in the value loss (0: off; a fresh critic must move far from
+    its first predictions, and clipping slowed it without a gain in studies of PPO's details)"""
+    entropy_coef: float = 0.0
+    """coefficient of the entropy bonus"""
+    target_kl: float = 0.0
+    """stop the epochs of a rollout once the approximate KL to the behaviour policy exceeds this (0: never)"""
+
+    def __post_init__(self):
+        self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
+        self.batch_size = self.num_prompts * self.group_size  # responses per rollout
+        self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
+        self.micro_batch_size = self.micro_batch_size or self.minibatch_size
+
+
+def check_args(args: Args) -> None:
+    """Fail fast with the flag's name, before any expensive work."""
+    common.check_common_args(args)
+    if args.group_size < 1:
+        raise SystemExit(f"--group-size {args.group_size}: must be at least 1")
+    if args.clip_eps <= 0:
+        raise SystemExit(f"--clip-eps {args.clip_eps}: must be positive")
+    if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
+        raise SystemExit(
+            f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
+            f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
+        )
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        raise SystemExit(f"--gamma {args.gamma} and --lam {args.lam}: must be in [0, 1]")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Algorithm: reward, advantage and losses (pure functions of tensors)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, mask, args):
+    """Per-token rewards (N, T): r_t = -beta * (log pi_old - log pi_ref) at every response token, plus the task score
+    at the last response token (InstructGPT; §10.2 of the notes). logprobs are the behaviour policy's, so the
+    penalty is fixed at rollout time. scores: (N,); logprobs, ref_logprobs, mask: (N, T). Zero on padding."""
+    rewards = -args.beta * (logprobs - ref_logprobs) if args.beta > 0 else torch.zeros_like(logprobs)
+    last = mask.sum(dim=1) - 1  # (N,) index of the last valid token (EOS, or the last token of a truncated response)
+    rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+    return torch.where(mask, rewards, 0.0)
+
+
+def compute_gae(rewards, values, mask, args):
+    """GAE (Schulman et al. 2015, eq. 16), computed backward: delta_t = r_t + gamma V_{t+1} - V_t and
+    A_t = delta_t + gamma lambda A_{t+1}, with V = 0 and A = 0 after the last valid token. Truncation is treated as
+    termination here (see the module docstring). Returns advantages and returns R_t = A_t + V_t (the lambda-return,
+    before any whitening), both (N, T) and zero on padding. Values on padding are ignored."""
+    values = torch.where(mask, values, 0.0)  # whatever the critic says on padding does not enter
+    rewards = torch.where(mask, rewards, 0.0)
+    advantages = torch.zeros_like(rewards)
+    next_value, next_advantage = torch.zeros_like(rewards[:, 0]), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + args.gamma * next_value - values[:, t]
+        next_advantage = delta + args.gamma * args.lam * next_advantage
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    advantages = torch.where(mask, advantages, 0.0)
+    return advantages, advantages + values
+
+
+def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args, num_tokens=None):
+    """Negative clipped surrogate (PPO eq. 7), per token, averaged over the valid tokens (§8 of the notes).
+
+    logprobs, old_logprobs, advantages, mask: (N, T). With `num_tokens` (the minibatch's valid-token count) a
+    micro-batch returns its share of the minibatch's loss, so that micro-batches add up to the minibatch's token mean."""
+    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    low, high = 1 - args.clip_eps, 1 + args.clip_eps  # the clip range of the ratio
+    pg_loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)  # (N, T)
+    total = torch.where(mask, pg_loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))
+
+    with torch.no_grad():
+        token_mean = lambda x: x[mask].mean()  # noqa: E731
+        metrics = {
+            "loss/policy": token_mean(pg_loss),
+            "train/ratio_mean": token_mean(ratio),
+            "train/ratio_min": ratio[mask].min(),
+            "train/ratio_max": ratio[mask].max(),
+            "train/clip_frac_low": token_mean(((ratio < low) & (advantages < 0)).float()),
+            "train/clip_frac_high": token_mean(((ratio > high) & (advantages > 0)).float()),
+            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+        }
+    return total, metrics
+
+
+def compute_value_loss(values, old_values, returns, mask, args, num_tokens=None):
+    """0.5 (V - R)^2 averaged over valid tokens (eq. 24 and 41 of the notes); with value_clip_eps > 0, the larger of
+    that and 0.5 (V_clipped - R)^2, V_clipped = V_old + clip(V - V_old, -eps, eps). values, old_values, returns, mask:
+    (N, T); returns and old values are constants. `num_tokens` as in compute_policy_loss."""
+    loss = 0.5 * (values - returns) ** 2  # (N, T)
+    if args.value_clip_eps > 0:
+        clipped = old_values + torch.clamp(values - old_values, -args.value_clip_eps, args.value_clip_eps)
+        loss = torch.max(loss, 0.5 * (clipped - returns) ** 2)
+    total = torch.where(mask, loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))
+    with torch.no_grad():
+        clip_frac = ((values - old_values).abs() > args.value_clip_eps).float()[mask].mean() if args.value_clip_eps > 0 else 0
+        metrics = {"loss/value": loss[mask].mean(), "train/value_clip_frac": clip_frac}
+    return total, metrics
+
+
+class Critic(torch.nn.Module):
+    """V(s_t) for every response position: the warm-up model's transformer body with a scalar head (zero-initialised,
+    so that the first values are 0). The value of the prefix (x, y_<t) is read where the policy reads y_t's logits."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModel
+
+        super().__init__()
+        self.body = AutoModel.from_pretrained(path, dtype=torch.float32)
+        self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, completion_len: int):
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        with common.autocast(input_ids.device):
+            hidden = self.body(input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(hidden[:, -completion_len - 1 : -1].float()).squeeze(-1)  # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    common.seed_everything(args.seed)
+    device = common.get_device(args.device)
+    task = common.make_task(args.task)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
+    if args.beta > 0:
+        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+        ref_policy.requires_grad_(False)
+    critic = Critic(common.resolve_model_path(args.model_name_or_path, args.cache_dir)).to(device)
+    # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
+    optimizer = torch.optim.AdamW(
+        [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}],
+        lr=args.learning_rate,
+        weight_decay=0.0,
+    )
+    logger = common.MetricsLogger(args.output_dir)
+    rng = random.Random(args.seed)
+    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    logger.log(0, eval_metrics)
+
+    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+        # -------------------------------------------------------------------------------------------------------------
+        # Rollout: responses from the frozen behaviour policy pi_old, with their old log-probs and old values
+        # -------------------------------------------------------------------------------------------------------------
+        step_start = time.time()
+        batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
+        prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]
+        answers = [a for a in batch["answer"] for _ in range(args.group_size)]
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
+        completion_ids, mask, truncated = common.generate(
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature
+        )  # (B, T), (B, T) through the first EOS, (B,)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        T = completion_ids.shape[1]
+        # several epochs: the old log-probs must be the behaviour policy's, computed before any update
+        old_logprobs = common.frozen_logprobs(policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size)
+        ref_logprobs = None  # (B, T), no gradient
+        if args.beta > 0:
+            ref_logprobs = common.frozen_logprobs(
+                ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
+        with torch.no_grad():
+            chunks = zip(input_ids.split(args.micro_batch_size), attention_mask.split(args.micro_batch_size))
+            old_values = torch.cat([critic(ids, att, T) for ids, att in chunks])  # (B, T) V_old(s_t)
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Reward: the task's score at the last token, and the KL penalty at every token
+        # -------------------------------------------------------------------------------------------------------------
+        scores = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
+        rewards = compute_rewards(scores, old_logprobs, ref_logprobs, mask, args)  # (B, T)
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Advantage: GAE from the rewards and the old values; returns before whitening
+        # -------------------------------------------------------------------------------------------------------------
+        advantages, returns = compute_gae(rewards, old_values, mask, args)  # (B, T) each
+        raw_advantages = advantages[mask]
+        if args.whiten_advantages:
+            advantages = torch.where(mask, (advantages - raw_advantages.mean()) / (raw_advantages.std() + 1e-8), 0.0)
+        rollout_time = time.time() - step_start
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Update: num_epochs passes over num_minibatches minibatches, one optimizer step each (actor and critic)
+        # -------------------------------------------------------------------------------------------------------------
+        train_metrics, stop = [], False
+        for _ in range(args.num_epochs):
+            for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
+                optimizer.zero_grad()
+                num_tokens = mask[mb_idx].sum().clamp(min=1)  # the token mean is over the whole minibatch
+                for idx in mb_idx.split(args.micro_batch_size):
+                    logprobs, entropy = common.completion_logprobs(
+                        policy, input_ids[idx], attention_mask[idx], T, args.temperature, args.entropy_coef > 0
+                    )  # (b, T) each
+                    pg_loss, metrics = compute_policy_loss(
+                        logprobs, old_logprobs[idx], advantages[idx], mask[idx], args, num_tokens
+                    )
+                    values = critic(input_ids[idx], attention_mask[idx], T)  # (b, T)
+                    value_loss, value_metrics = compute_value_loss(
+                        values, old_values[idx], returns[idx], mask[idx], args, num_tokens
+                    )
+                    entropy_bonus = torch.where(mask[idx], entropy, 0.0).sum() / num_tokens
+                    loss = pg_loss + value_loss - args.entropy_coef * entropy_bonus
+                    common.check_finite(loss, "loss", step)
+                    loss.backward()
+                    metrics.update(value_metrics)
+                    metrics["train/entropy"] = entropy[mask[idx]].mean().detach()
+                    train_metrics.append(metrics)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                common.check_finite(grad_norm, "gradient norm", step)
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                optimizer.step()
+                train_metrics[-1]["train/grad_norm"] = grad_norm
+                if args.target_kl and train_metrics[-1]["kl/old_approx"] > args.target_kl:
+                    stop = True  # early stop: the policy has moved far enough from the behaviour policy
+                    break
+            if stop:
+                break
+
+        # -------------------------------------------------------------------------------------------------------------
+        # Log and evaluate
+        # -------------------------------------------------------------------------------------------------------------
+        row = common.aggregate(train_metrics)
+        valid_returns, valid_values = returns[mask], old_values[mask]
+        row.update(
+            {
+                "rollout/reward_mean": scores.mean(),
+                "rollout/response_length": mask.sum(dim=1).float().mean(),
+                "rollout/truncated_frac": truncated.float().mean(),
+                "train/advantage_mean": raw_advantages.mean(),
+                "train/advantage_std": raw_advantages.std(),
+                "train/explained_variance": 1 - (valid_returns - valid_values).var() / valid_returns.var().clamp(min=1e-8),
+                "train/early_stopped": float(stop),
+                "time/rollout": rollout_time,
+                "time/step": time.time() - step_start,
+                "train/responses": step * args.batch_size,
+            }
+        )
+        if args.beta > 0:
+            kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0)  # (B, T) k1 per token
+            row.update({"kl/ref": kl.sum() / mask.sum(), "rollout/kl_penalty": args.beta * kl.sum(dim=1).mean()})
+        if step % args.eval_every == 0 or step == args.total_steps:
+            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+            row.update(eval_metrics)
+        logger.log(step, row)
+        bar.set_postfix(reward=f"{scores.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Save
+    # -----------------------------------------------------------------------------------------------------------------
+    policy.save_pretrained(os.path.join(args.output_dir, "model"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    logger.close()
+    print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -1,0 +1,106 @@
+"""dpo.py against §12 of the notes (Rafailov et al. 2023): the loss, its gradient, the KL-regularised optimum."""
+
+import math
+
+import pytest
+import torch
+
+import common
+import dpo
+from helpers import tiny_model
+
+
+def args(**overrides):
+    return dpo.Args(**overrides)
+
+
+def test_loss_value_and_metrics():
+    chosen, rejected = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
+    ref_chosen, ref_rejected = torch.tensor([-1.5, -2.0]), torch.tensor([-2.0, -2.0])
+    loss, m = dpo.compute_loss(chosen, rejected, ref_chosen, ref_rejected, args(beta=0.5))
+    z = 0.5 * torch.tensor([(0.5) - (-1.0), (0.0) - (1.0)])  # beta * Delta per pair: (0.75, -0.5)
+    assert loss.item() == pytest.approx(-torch.log(torch.sigmoid(z)).mean().item(), abs=1e-6)
+    assert m["rewards/chosen"].item() == pytest.approx(0.5 * (0.5 + 0.0) / 2)
+    assert m["rewards/rejected"].item() == pytest.approx(0.5 * (-1.0 + 1.0) / 2)
+    assert m["rewards/margins"].item() == pytest.approx(z.mean().item())
+    assert m["rewards/accuracies"].item() == 0.5
+    same = torch.zeros(1)
+    loss, m = dpo.compute_loss(same, same, same, same, args())
+    assert loss.item() == pytest.approx(math.log(2)) and m["rewards/accuracies"].item() == 0.0  # a tie is not a win
+
+
+def test_gradient_is_minus_beta_sigmoid_minus_z_times_the_score_difference():
+    """d loss / d log pi(y_w) = -beta sigmoid(-z) / N and d loss / d log pi(y_l) = +beta sigmoid(-z) / N."""
+    beta = 0.3
+    chosen, rejected = torch.tensor([-1.0, -4.0], requires_grad=True), torch.tensor([-2.0, -1.0], requires_grad=True)
+    ref_chosen, ref_rejected = torch.tensor([-1.2, -3.0]), torch.tensor([-1.5, -1.5])
+    loss, _ = dpo.compute_loss(chosen, rejected, ref_chosen, ref_rejected, args(beta=beta))
+    loss.backward()
+    z = beta * ((chosen - ref_chosen) - (rejected - ref_rejected)).detach()
+    assert torch.allclose(chosen.grad, -beta * torch.sigmoid(-z) / 2, atol=1e-7)
+    assert torch.allclose(rejected.grad, beta * torch.sigmoid(-z) / 2, atol=1e-7)
+    assert chosen.grad[1].abs() > chosen.grad[0].abs()  # the pair the policy gets wrong (z < 0) weighs more
+
+
+def test_the_kl_regularised_optimum_and_its_implied_rewards():
+    """§12.1-12.2 on five outcomes: p* = q exp(R / beta) / Z maximises E_p[R] - beta KL(p || q), and the DPO margin
+    of pi = p* against pi_ref = q recovers the reward difference of any pair."""
+    beta = 0.5
+    q = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    rewards = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3])
+    p_star = q * torch.exp(rewards / beta)
+    p_star = p_star / p_star.sum()
+    objective = lambda p: (p * rewards).sum() - beta * (p * (p / q).log()).sum()  # noqa: E731
+    torch.manual_seed(0)
+    for _ in range(200):
+        nearby = torch.softmax(p_star.log() + 0.3 * torch.randn(5), dim=0)
+        assert objective(nearby) < objective(p_star)
+    assert objective(p_star).item() == pytest.approx(beta * torch.log((q * torch.exp(rewards / beta)).sum()).item(), abs=1e-6)
+    for win in range(5):
+        for lose in range(5):
+            logps = p_star.log()[[win]], p_star.log()[[lose]], q.log()[[win]], q.log()[[lose]]
+            _, m = dpo.compute_loss(*logps, args(beta=beta))
+            assert m["rewards/margins"].item() == pytest.approx((rewards[win] - rewards[lose]).item(), abs=1e-5)
+
+
+def test_sequence_logps_are_sums_over_completion_tokens_only():
+    model, input_ids, attention_mask, mask = tiny_model(batch=4)
+    prompt_len = input_ids.shape[1] - mask.shape[1]
+    prompt_ids, prompt_mask = input_ids[:, :prompt_len], attention_mask[:, :prompt_len]
+    completion_ids = input_ids[:, prompt_len:]
+    got = dpo.sequence_logps(model, prompt_ids, prompt_mask, completion_ids, mask)
+    per_token, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
+    assert torch.allclose(got, (per_token * mask).sum(dim=1), atol=1e-5)
+    assert not torch.allclose(got, (per_token * mask).sum(dim=1) / mask.sum(dim=1), atol=1e-3)  # not a mean
+    other_padding = completion_ids.masked_fill(~mask, 7)  # whatever sits on padding does not count
+    assert torch.allclose(dpo.sequence_logps(model, prompt_ids, prompt_mask, other_padding, mask), got, atol=1e-5)
+
+
+def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypatch):
+    model, *_ = tiny_model()
+    tokenizer = common.build_tokenizer()
+    task = common.make_task("addition")
+    # a verifier that calls an answer correct when it has an even number of characters
+    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    torch.manual_seed(0)
+    pairs, skipped = dpo.build_pairs(model, tokenizer, task, args(num_pair_prompts=40, group_size=4), torch.device("cpu"))
+    assert len(pairs) + skipped == 40 and len(pairs) > 0
+    for row in pairs:
+        assert len(row["chosen"]) % 2 == 0 and len(row["rejected"]) % 2 == 1
+    data = dpo.tokenize_pairs(tokenizer, pairs[:4], torch.device("cpu"))
+    chosen_ids, chosen_mask = data[2], data[3]
+    for ids, mask, text in zip(chosen_ids, chosen_mask, pairs[:4]["chosen"]):
+        assert ids[mask].tolist() == tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"beta": 0.0}, "--beta"),
+        ({"batch_size": 6, "micro_batch_size": 4}, "--micro-batch-size"),
+        ({"dataset": "./nope.json"}, "--dataset"),
+    ],
+)
+def test_bad_input_names_the_flag(overrides, message):
+    with pytest.raises(SystemExit, match=message):
+        dpo.check_args(args(**overrides))

@@ -1,0 +1,142 @@
+"""ppo.py's reward, GAE and losses against the notes' numbers (§4.3, §5.3, §5.5, §8.4, §10.2)."""
+
+import math
+import tempfile
+
+import pytest
+import torch
+
+import ppo
+from helpers import clip_table, tiny_model
+
+
+def args(**overrides):
+    return ppo.Args(**overrides)
+
+
+def gae(rewards, values, lam, gamma=1.0):
+    rewards, values = torch.tensor([rewards]), torch.tensor([values])
+    return ppo.compute_gae(rewards, values, torch.ones_like(rewards, dtype=torch.bool), args(lam=lam, gamma=gamma))
+
+
+def test_gae_example_of_section_5_5():
+    """Rewards (0, 0, 1), values (0.2, 0.4, 0.7), V = 0 after the last token."""
+    advantages, returns = gae([0.0, 0.0, 1.0], [0.2, 0.4, 0.7], lam=0.9)
+    assert torch.allclose(advantages, torch.tensor([[0.713, 0.57, 0.3]]), atol=1e-6)
+    assert torch.allclose(returns, torch.tensor([[0.913, 0.97, 1.0]]), atol=1e-6)  # lambda-returns A + V
+    advantages, returns = gae([0.0, 0.0, 1.0], [0.2, 0.4, 0.7], lam=1.0)
+    assert torch.allclose(advantages, torch.tensor([[0.8, 0.6, 0.3]]), atol=1e-6)  # Monte Carlo return 1 minus V
+    assert torch.allclose(returns, torch.ones(1, 3), atol=1e-6)
+
+
+def test_gae_is_the_tail_corrected_mix_of_n_step_estimates():
+    """§5.3: A_0 = (1 - lambda) A^(1) + (1 - lambda) lambda A^(2) + lambda^2 A^(3), weights 0.1, 0.09, 0.81."""
+    r, v, lam = [0.0, 0.0, 1.0], [0.2, 0.4, 0.7, 0.0], 0.9
+    n_step = [sum(r[:n]) + v[n] - v[0] for n in (1, 2, 3)]  # (0.2, 0.5, 0.8)
+    weights = [(1 - lam), (1 - lam) * lam, lam**2]
+    assert weights == pytest.approx([0.1, 0.09, 0.81]) and n_step == pytest.approx([0.2, 0.5, 0.8])
+    advantages, _ = gae(r, v[:3], lam)
+    assert advantages[0, 0].item() == pytest.approx(sum(w * a for w, a in zip(weights, n_step)), abs=1e-6)
+
+
+def test_gae_discount():
+    advantages, _ = gae([0.0, 1.0], [0.5, 0.5], lam=1.0, gamma=0.5)
+    assert torch.allclose(advantages, torch.tensor([[0.0 + 0.5 * 1.0 - 0.5, 1.0 - 0.5]]))
+
+
+def test_gae_on_a_variable_length_batch_ignores_padding():
+    """Each row equals its own computation alone; values and rewards on padding are garbage and change nothing."""
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    torch.manual_seed(0)
+    rewards, values = torch.randn(3, 5), torch.randn(3, 5)
+    garbage_rewards = torch.where(mask, rewards, 1e3)
+    garbage_values = torch.where(mask, values, -1e3)
+    advantages, returns = ppo.compute_gae(garbage_rewards, garbage_values, mask, args())
+    for i, n in enumerate(mask.sum(dim=1).tolist()):
+        alone, alone_returns = ppo.compute_gae(rewards[i : i + 1, :n], values[i : i + 1, :n], mask[i : i + 1, :n], args())
+        assert torch.allclose(advantages[i, :n], alone[0], atol=1e-6)
+        assert torch.allclose(returns[i, :n], alone_returns[0], atol=1e-6)
+    assert torch.equal(advantages[~mask], torch.zeros(int((~mask).sum())))
+    # the last valid token bootstraps from V = 0: its advantage is r - V
+    assert advantages[0, 2].item() == pytest.approx((rewards[0, 2] - values[0, 2]).item(), abs=1e-6)
+
+
+def test_kl_shaped_reward_sequence():
+    """§10.2: r_t = -beta (log pi_old - log pi_ref) at every response token, plus the score at the last one."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.1, -0.2, -0.3, -0.4]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5, 3.0], [-0.1, -0.1, -0.1, -0.1]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    rewards = ppo.compute_rewards(torch.tensor([1.0, 0.0]), logprobs, ref_logprobs, mask, args(beta=0.1))
+    expected = torch.tensor([[-0.05, 0.1, 0.0 + 1.0, 0.0], [0.0, 0.01, 0.02, 0.03]])
+    assert torch.allclose(rewards, expected, atol=1e-6)
+    no_kl = ppo.compute_rewards(torch.tensor([1.0, 0.0]), logprobs, None, mask, args(beta=0.0))
+    assert torch.equal(no_kl, torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_clip_table_of_section_8_4():
+    for advantage, ratio, value, slope in clip_table():
+        logprobs = torch.tensor([[math.log(0.2 * ratio)]], requires_grad=True)
+        old = torch.log(torch.tensor([[0.2]]))
+        loss, _ = ppo.compute_policy_loss(
+            logprobs, old, torch.tensor([[float(advantage)]]), torch.ones(1, 1, dtype=torch.bool), args()
+        )
+        (-loss).backward()
+        assert -loss.item() == pytest.approx(value, abs=1e-6), (advantage, ratio)
+        assert logprobs.grad.item() / ratio == pytest.approx(slope, abs=1e-6), (advantage, ratio)
+
+
+def test_two_action_example_of_section_4_3():
+    """pi(a) = 0.3 with return 5, pi(b) = 0.7 with return 1: V = 2.2, A = (2.8, -1.2), expected gradient 0.84."""
+    u = torch.tensor(math.log(0.3 / 0.7), requires_grad=True)  # sigmoid(u) = 0.3
+    values = torch.tensor([[2.2]])
+    expected = 0.0
+    for action, ret in ((0, 5.0), (1, 1.0)):
+        advantages, _ = ppo.compute_gae(torch.tensor([[ret]]), values, torch.ones(1, 1, dtype=torch.bool), args())
+        logprob = torch.nn.functional.logsigmoid(u if action == 0 else -u).view(1, 1)
+        loss, _ = ppo.compute_policy_loss(logprob, logprob.detach(), advantages, torch.ones(1, 1, dtype=torch.bool), args())
+        (grad,) = torch.autograd.grad(-loss, u)
+        expected += torch.sigmoid(u if action == 0 else -u).item() * grad.item()
+    assert advantages.item() == pytest.approx(-1.2)
+    assert expected == pytest.approx(0.84, abs=1e-6)
+    assert expected == pytest.approx(4 * 0.3 * 0.7, abs=1e-6)  # d/du [5 sigmoid(u) + (1 - sigmoid(u))]
+
+
+def test_value_loss_and_its_clipped_variant():
+    values, old_values, returns = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[2.0, 1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = ppo.compute_value_loss(values, old_values, returns, mask, args())
+    assert loss.item() == pytest.approx((0.5 * 1 + 0.5 * 1) / 2)
+    clipped, m = ppo.compute_value_loss(values, old_values, returns, mask, args(value_clip_eps=0.2))
+    assert clipped.item() == pytest.approx((0.5 * 1.8**2 + 0.5 * 1) / 2)  # V = 1 is clipped to 0.2 for the first token
+    assert m["train/value_clip_frac"].item() == pytest.approx(0.5)
+    values.requires_grad_(True)
+    loss, _ = ppo.compute_value_loss(values, old_values, returns, torch.tensor([[True, False]]), args())
+    loss.backward()
+    assert values.grad.tolist() == [[-1.0, 0.0]]  # (V - R) on the valid token, nothing on padding
+
+
+def test_policy_loss_micro_batches_add_up_to_the_token_mean():
+    torch.manual_seed(0)
+    logprobs, old = -torch.rand(6, 4), -torch.rand(6, 4)
+    advantages, mask = torch.randn(6, 4), torch.rand(6, 4) > 0.3
+    whole, _ = ppo.compute_policy_loss(logprobs, old, advantages, mask, args())
+    parts = sum(
+        ppo.compute_policy_loss(logprobs[i], old[i], advantages[i], mask[i], args(), mask.sum())[0]
+        for i in torch.arange(6).split(2)
+    )
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_critic_reads_the_value_of_each_prefix():
+    """One value per completion position, from the position whose logits predict that token; zero at the start."""
+    model, input_ids, attention_mask, mask = tiny_model(batch=3)
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        critic = ppo.Critic(path)
+    values = critic(input_ids, attention_mask, mask.shape[1])
+    assert values.shape == mask.shape and torch.equal(values, torch.zeros_like(values))
+    torch.nn.init.ones_(critic.head.weight)
+    values = critic(input_ids, attention_mask, mask.shape[1])
+    hidden = critic.body(input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))
+    expected = hidden.last_hidden_state[:, -mask.shape[1] - 1 : -1].sum(-1) + critic.head.bias
+    assert torch.allclose(values, expected, atol=1e-5)
