@@ -10,7 +10,7 @@ soft punishment of responses that approach the generation budget (optionally mas
 Departures from the paper:
 1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
    warm-up policy, never reset.
-2. The group std is the population std (divide by G), as in the notes; most libraries use the sample std (G - 1).
+2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. No KL term (beta = 0), as in the paper; |y| counts the EOS token; dynamic sampling filters groups on the shaped
    reward that the advantage sees, not on accuracy alone (eq. 11), so that no kept group has zero variance.

@@ -108,7 +108,7 @@ def compute_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     """DPO loss (Rafailov et al. 2023, eq. 7): -log sigmoid(beta * Delta), averaged over pairs, with
     Delta = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)). All inputs: (N,) sequence log-probs
     (sums over completion tokens); the reference ones are constants. Its gradient per pair is
-    -beta * sigmoid(-beta * Delta) * (grad log pi(y_w) - grad log pi(y_l)) (§12.2 of the notes)."""
+    -beta * sigmoid(-beta * Delta) * (grad log pi(y_w) - grad log pi(y_l)) (§5.1)."""
     chosen_rewards = args.beta * (chosen_logps - ref_chosen_logps)  # (N,) implicit rewards beta * log(pi / pi_ref)
     rejected_rewards = args.beta * (rejected_logps - ref_rejected_logps)
     margins = chosen_rewards - rejected_rewards  # beta * Delta

@@ -9,7 +9,7 @@ keeps the policy near a frozen reference model. There is no value network: the g
 Departures from the paper:
 1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
    warm-up policy, never reset.
-2. The group std is the population std (divide by G), as in the notes; most libraries use the sample std (G - 1).
+2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. The gradient of the k3 penalty estimates the gradient of KL(pi_ref || pi), not of KL(pi || pi_ref): see compute_loss.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the

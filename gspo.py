@@ -9,7 +9,7 @@ of the response and clipped once, with tiny ranges (3e-4, 4e-4). q_i is not the 
 Departures from the paper:
 1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
    warm-up policy, never reset.
-2. The group std is the population std (divide by G), as in the notes; most libraries use the sample std (G - 1).
+2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. No KL term by default. With a single on-policy step per rollout q_i = 1 and GSPO coincides with GRPO, so each
    rollout batch is split into 4 minibatches by default, for num_epochs passes; gradients are clipped.

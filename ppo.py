@@ -12,7 +12,7 @@ Departures from the papers:
 1. The reward is a verifier (1 correct, 0 wrong) at the last response token, not a learned reward model, and the
    reference model is the warm-up policy, never reset.
 2. Truncation at max_new_tokens is treated as termination (V = 0 after the last token): the task scores the
-   truncated answer as final, so there is no future to bootstrap (§5.6 of the notes).
+   truncated answer as final, so there is no future to bootstrap.
 3. The KL coefficient beta is fixed (no adaptive controller); the value loss is not clipped by default (see Args).
 4. The critic is a separate network with its own learning rate; the actor and critic losses are summed, but share no
    parameters. Gradients are clipped per network; AdamW without weight decay.
@@ -120,7 +120,7 @@ def check_args(args: Args) -> None:
 
 def compute_rewards(scores, logprobs, ref_logprobs, mask, args):
     """Per-token rewards (N, T): r_t = -beta * (log pi_old - log pi_ref) at every response token, plus the task score
-    at the last response token (InstructGPT; §10.2 of the notes). logprobs are the behaviour policy's, so the
+    at the last response token (Ouyang et al. 2022, eq. 2). logprobs are the behaviour policy's, so the
     penalty is fixed at rollout time. scores: (N,); logprobs, ref_logprobs, mask: (N, T). Zero on padding."""
     rewards = -args.beta * (logprobs - ref_logprobs) if args.beta > 0 else torch.zeros_like(logprobs)
     last = mask.sum(dim=1) - 1  # (N,) index of the last valid token (EOS, or the last token of a truncated response)
@@ -147,7 +147,7 @@ def compute_gae(rewards, values, mask, args):
 
 
 def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args, num_tokens=None):
-    """Negative clipped surrogate (PPO eq. 7), per token, averaged over the valid tokens (§8 of the notes).
+    """Negative clipped surrogate (PPO eq. 7), per token, averaged over all valid tokens of the minibatch.
 
     logprobs, old_logprobs, advantages, mask: (N, T). With `num_tokens` (the minibatch's valid-token count) a
     micro-batch returns its share of the minibatch's loss, so that micro-batches add up to the minibatch's token mean."""
@@ -171,7 +171,7 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args, num_toke
 
 
 def compute_value_loss(values, old_values, returns, mask, args, num_tokens=None):
-    """0.5 (V - R)^2 averaged over valid tokens (eq. 24 and 41 of the notes); with value_clip_eps > 0, the larger of
+    """0.5 (V - R)^2 averaged over valid tokens (PPO eq. 9, L^VF); with value_clip_eps > 0, the larger of
     that and 0.5 (V_clipped - R)^2, V_clipped = V_old + clip(V - V_old, -eps, eps). values, old_values, returns, mask:
     (N, T); returns and old values are constants. `num_tokens` as in compute_policy_loss."""
     loss = 0.5 * (values - returns) ** 2  # (N, T)
