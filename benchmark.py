@@ -64,17 +64,14 @@ def run_all(args: Args) -> dict:
 
 
 def complete(path: str) -> bool:
-    """A run is complete when its file exists and its last row has the final evaluation."""
-    if not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        lines = f.read().splitlines()
-    return len(lines) > 1 and "eval/accuracy" in json.loads(lines[-1])
+    """A run is complete when it saved its final model, which every script does after its last step."""
+    return os.path.isfile(path) and os.path.isfile(os.path.join(os.path.dirname(path), "model", "config.json"))
 
 
 def series(runs, key, x="time/elapsed"):
     """Per seed, the (x, y) points where `key` was logged."""
-    return [[(r[x], r[key]) for r in rows if key in r and x in r] for rows in runs]
+    value = lambda r: r.get(x, 0)  # noqa: E731  (the step-0 evaluation has generated no responses yet)
+    return [[(value(r), r[key]) for r in rows if key in r] for rows in runs]
 
 
 def summary_table(results: dict) -> str:

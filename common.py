@@ -163,7 +163,8 @@ def builtin_model_dir(cache_dir: str) -> str:
 
     import sft
 
-    sources = [inspect.getsource(f) for f in (sft, make_addition_task, build_tokenizer, build_tiny_model, tokenize_prompts)]
+    recipe_parts = (sft, make_addition_task, build_tokenizer, build_tiny_model, tokenize_prompts, generate, evaluate)
+    sources = [inspect.getsource(f) for f in recipe_parts]
     recipe = json.dumps(vars(sft.Args()), sort_keys=True) + "".join(sources)
     return os.path.join(cache_root(cache_dir), f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
 
@@ -189,7 +190,8 @@ def resolve_model_path(name: str, cache_dir: str) -> str:
         import sft
 
         print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
-        sft.warm_up(sft.Args(output_dir=path))
+        sft.warm_up(sft.Args(output_dir=path + ".partial"))
+        os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
     return path
 
 
@@ -222,7 +224,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     often have several, e.g. an end-of-turn token besides end-of-text)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
-    return sorted({tokenizer.eos_token_id, *ids})
+    return sorted({i for i in (tokenizer.eos_token_id, *ids) if i is not None})
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:

@@ -13,7 +13,8 @@ Departures from the paper:
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. No KL term (beta = 0), as in the paper; |y| counts the EOS token; dynamic sampling filters groups on the shaped
-   reward that the advantage sees, not on accuracy alone (eq. 11), so that no kept group has zero variance.
+   reward that the advantage sees, not on accuracy alone (eq. 11), so that no kept group has zero variance; a group
+   that is all correct but differs in overlong penalties is kept, and the std then scales that difference up.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 """
@@ -158,6 +159,8 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     reduce = lambda x: torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)  # DAPO: token-level mean
     total = torch.where(mask, loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))  # share of the minibatch's loss
 
+    if not mask.any():  # DAPO: every response here is truncated and masked out (--mask-truncated): no loss, no metrics
+        return total, {}
     with torch.no_grad():
         token_mean = lambda x: x[mask].mean()  # noqa: E731
         metrics = {

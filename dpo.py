@@ -209,7 +209,8 @@ if __name__ == "__main__":
     task = common.make_task(args.task)
     policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
-    logger = common.MetricsLogger(args.output_dir)  # its clock includes building the pairs
+    logger = common.MetricsLogger(args.output_dir)
+    pairs_time = 0.0  # seconds spent building the pairs (0 when they come from the cache or --dataset)
     if args.dataset:
         pairs, skipped = load_pairs(args), 0
     else:
@@ -230,10 +231,15 @@ if __name__ == "__main__":
 
             pairs = datasets.load_from_disk(pairs_dir)
             skipped = json.load(open(os.path.join(pairs_dir, "skipped.json")))
+            pairs_time = 0.0
         else:
-            pairs, skipped = build_pairs(policy, tokenizer, task, args, device)
-            pairs.save_to_disk(pairs_dir)
-            json.dump(skipped, open(os.path.join(pairs_dir, "skipped.json"), "w"))
+            with torch.random.fork_rng(devices=[]):  # the same pairs whatever --seed is, since they are cached for all
+                torch.manual_seed(0)
+                pairs, skipped = build_pairs(policy, tokenizer, task, args, device)
+            pairs.save_to_disk(pairs_dir + ".partial")
+            json.dump(skipped, open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w"))
+            os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
+        pairs_time = time.time() - logger.start
     if len(pairs) < args.batch_size:
         raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
     generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
@@ -246,7 +252,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
-    logger.log(0, {**eval_metrics, "data/pairs": len(pairs), "data/skipped_prompts": skipped})
+    logger.start = time.time()  # time/elapsed counts training only; building the pairs is time/pairs
+    logger.log(0, {**eval_metrics, "data/pairs": len(pairs), "data/skipped_prompts": skipped, "time/pairs": pairs_time})
     order = torch.empty(0, dtype=torch.long)
 
     for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):

@@ -122,7 +122,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     Reduction: the mean over each response's valid tokens, then the mean over responses.
     With `num_responses` (the minibatch's response count) a micro-batch returns its share of the minibatch's loss,
     so that micro-batches add up to exactly the minibatch's loss and gradient."""
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio).expand_as(logprobs)  # (N, T) GSPO: q_i on every token; its gradient reaches all of them
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
     low, high = 1 - args.clip_eps_low, 1 + args.clip_eps_high  # the clip range of the ratio; GSPO: tiny, sequence-level

@@ -176,6 +176,13 @@ def test_dapo_clip_higher():
     assert logprobs.grad.item() == 0
 
 
+def test_dapo_loss_with_every_token_masked_out_is_zero():
+    loss, metrics = dapo.compute_loss(
+        -torch.rand(2, 3), -torch.rand(2, 3), None, torch.ones(2), ones(2, 3) & False, dapo.Args(), 7
+    )
+    assert loss.item() == 0 and metrics == {}
+
+
 def test_gspo_sequence_ratio_is_the_geometric_mean_not_the_sequence_ratio():
     """1000 tokens at per-token ratio 1.01: W = 1.01^1000 ~ 2.1e4, while GSPO's q = 1.01."""
     old = torch.full((1, 1000), -2.0)

@@ -102,6 +102,18 @@ def test_later_minibatches_are_off_policy(model_dir, tmp_path, monkeypatch):
     assert step["train/ratio_max"] > 1.0001 and step["train/ratio_min"] < 0.9999 and step["kl/old_approx"] > 0
 
 
+def test_dapo_fills_its_batch_over_several_rounds(model_dir, tmp_path, monkeypatch):
+    """Every answer scores 0, so only the overlong penalty separates responses: many groups have equal rewards and are
+    dropped, the batch is assembled from several rounds (of different completion widths), and with --mask-truncated
+    some minibatches hold no valid token at all."""
+    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.zeros(len(c)))
+    flags = ["--model-name-or-path", model_dir, "--mask-truncated", "--micro-batch-size", "4", "--temperature", "0.7"]
+    run_here(monkeypatch, "dapo.py", *flags, "--output-dir", str(tmp_path), *SMALL)
+    logged = rows(tmp_path)
+    assert max(r["rollout/sampling_rounds"] for r in logged[1:]) >= 2
+    assert all(r["rollout/groups_kept_frac"] < 1 for r in logged[1:])
+
+
 def test_non_finite_values_stop_the_run_with_a_message(model_dir, tmp_path, monkeypatch):
     flags = ["--model-name-or-path", model_dir, "--temperature", "1e-45", "--output-dir", str(tmp_path), *SMALL]
     with pytest.raises(SystemExit, match="non-finite logits while sampling"):  # logits / 1e-45 overflow
