@@ -215,23 +215,14 @@ if __name__ == "__main__":
         pairs, skipped = load_pairs(args), 0
     else:
         model_path = common.resolve_model_path(args.model_name_or_path, args.cache_dir)
-        key = json.dumps(
-            [
-                "most-frequent-v1",
-                os.path.abspath(model_path),
-                args.task,
-                args.num_pair_prompts,
-                args.group_size,
-                args.max_new_tokens,
-            ]
-        )
-        pairs_dir = os.path.join(common.cache_root(args.cache_dir), f"dpo-pairs-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
+        recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
+        key = hashlib.sha1(json.dumps([*recipe, args.max_new_tokens]).encode()).hexdigest()[:10]
+        pairs_dir = os.path.join(common.cache_root(args.cache_dir), f"dpo-pairs-{key}")
         if os.path.isdir(pairs_dir):
             import datasets
 
             pairs = datasets.load_from_disk(pairs_dir)
             skipped = json.load(open(os.path.join(pairs_dir, "skipped.json")))
-            pairs_time = 0.0
         else:
             with torch.random.fork_rng(devices=[]):  # the same pairs whatever --seed is, since they are cached for all
                 torch.manual_seed(0)
@@ -239,7 +230,7 @@ if __name__ == "__main__":
             pairs.save_to_disk(pairs_dir + ".partial")
             json.dump(skipped, open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w"))
             os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
-        pairs_time = time.time() - logger.start
+            pairs_time = time.time() - logger.start
     if len(pairs) < args.batch_size:
         raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
     generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
