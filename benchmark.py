@@ -76,8 +76,8 @@ def series(runs, key, x="time/elapsed"):
 
 def summary_table(results: dict) -> str:
     lines = [
-        "| algorithm | start accuracy | end accuracy | minutes | median step (s) | responses generated |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| algorithm | start accuracy | end accuracy | minutes | minutes to 90% | median step (s) | responses generated |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     spread = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.pstdev(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
     for algorithm, runs in results.items():
@@ -86,9 +86,25 @@ def summary_table(results: dict) -> str:
         minutes = [rows[-1]["time/elapsed"] / 60 for rows in runs]
         steps = statistics.median(r["time/step"] for rows in runs for r in rows if "time/step" in r)
         responses = statistics.mean(rows[-1].get("train/responses", 0) for rows in runs)
-        cells = [algorithm, spread(start), spread(end), f"{statistics.mean(minutes):.1f}", f"{steps:.2f}", f"{responses:,.0f}"]
+        to_90 = [minutes_to(rows, 0.9) for rows in runs]
+        to_90 = f"{statistics.mean(to_90):.1f} ({min(to_90):.1f}-{max(to_90):.1f})" if None not in to_90 else "not reached"
+        cells = [
+            algorithm,
+            spread(start),
+            spread(end),
+            f"{statistics.mean(minutes):.1f}",
+            to_90,
+            f"{steps:.2f}",
+            f"{responses:,.0f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def minutes_to(rows, accuracy: float):
+    """Wall-clock minutes until the first evaluation at or above `accuracy` (None if never)."""
+    hits = [r.get("time/elapsed", 0) / 60 for r in rows if r.get("eval/accuracy", -1) >= accuracy]
+    return hits[0] if hits else None
 
 
 def plot(results: dict, key: str, ylabel: str, path: str, x: str = "time/elapsed", xlabel: str = "wall-clock minutes"):

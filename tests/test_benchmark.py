@@ -1,0 +1,51 @@
+"""benchmark.py's bookkeeping on hand-made metrics (no training, no matplotlib)."""
+
+import benchmark
+
+
+def run(accuracies, minutes_per_eval=1.0, responses_per_eval=100):
+    """Rows like a script's metrics.jsonl: an evaluation at step 0, then training steps with evaluations."""
+    rows = [{"step": 0, "eval/accuracy": accuracies[0]}]
+    for i, acc in enumerate(accuracies[1:], start=1):
+        rows.append(
+            {
+                "step": i,
+                "time/elapsed": 60 * minutes_per_eval * i,
+                "time/step": 0.5 * i,
+                "train/responses": responses_per_eval * i,
+                "rollout/all_correct_frac": 0.25,
+                "rollout/all_wrong_frac": 0.5,
+                "eval/accuracy": acc,
+            }
+        )
+    return rows
+
+
+def test_minutes_to_accuracy():
+    rows = run([0.5, 0.8, 0.92, 0.85, 0.95])
+    assert benchmark.minutes_to(rows, 0.9) == 2.0  # the first evaluation at or above the bar, not a later one
+    assert benchmark.minutes_to(rows, 0.5) == 0.0  # the step-0 evaluation counts, at minute 0
+    assert benchmark.minutes_to(rows, 0.99) is None
+
+
+def test_summary_table_statistics():
+    results = {"a": [run([0.5, 0.9, 1.0]), run([0.7, 0.8, 0.8])], "b": [run([0.5, 0.6])]}
+    lines = benchmark.summary_table(results).splitlines()
+    a = [c.strip() for c in lines[2].strip("|").split("|")]
+    b = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert a[0] == "a" and b[0] == "b"
+    assert a[1] == "0.600 ± 0.100 (0.500-0.700)"  # start: mean, population std, range over seeds
+    assert a[2] == "0.900 ± 0.100 (0.800-1.000)"
+    assert a[3] == "2.0"  # minutes at the last row
+    assert a[4] == "not reached"  # one seed never reaches 90%
+    assert a[5] == "0.75"  # median of all step times (0.5, 1.0, 0.5, 1.0)
+    assert a[6] == "200"
+    results = {"a": [run([0.5, 0.9, 1.0]), run([0.5, 0.5, 0.95], minutes_per_eval=2.0)]}
+    a = [c.strip() for c in benchmark.summary_table(results).splitlines()[2].strip("|").split("|")]
+    assert a[4] == "2.5 (1.0-4.0)"
+
+
+def test_zero_variance_fraction():
+    results = benchmark.zero_variance_fraction({"a": [run([0.5, 0.9])], "ppo": [[{"eval/accuracy": 0.5}]]})
+    assert results["a"][0][1]["rollout/zero_std_frac"] == 0.75
+    assert "rollout/zero_std_frac" not in results["ppo"][0][0]
