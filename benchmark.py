@@ -70,7 +70,7 @@ def complete(path: str) -> bool:
 
 def series(runs, key, x="time/elapsed"):
     """Per seed, the (x, y) points where `key` was logged."""
-    value = lambda r: r.get(x, 0)  # noqa: E731  (the step-0 evaluation has generated no responses yet)
+    value = lambda r: r.get(x, 0)  # (the step-0 evaluation has generated no responses yet)
     return [[(value(r), r[key]) for r in rows if key in r] for rows in runs]
 
 
@@ -79,7 +79,8 @@ def summary_table(results: dict) -> str:
         "| algorithm | start accuracy | end accuracy | minutes | minutes to 90% | median step (s) | responses generated |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    spread = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.pstdev(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
+    spread = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.pstdev(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+    span = lambda xs: f"{statistics.mean(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
     for algorithm, runs in results.items():
         start = [rows[0]["eval/accuracy"] for rows in runs]
         end = [rows[-1]["eval/accuracy"] for rows in runs]
@@ -87,12 +88,12 @@ def summary_table(results: dict) -> str:
         steps = statistics.median(r["time/step"] for rows in runs for r in rows if "time/step" in r)
         responses = statistics.mean(rows[-1].get("train/responses", 0) for rows in runs)
         to_90 = [minutes_to(rows, 0.9) for rows in runs]
-        to_90 = f"{statistics.mean(to_90):.1f} ({min(to_90):.1f}-{max(to_90):.1f})" if None not in to_90 else "not reached"
+        to_90 = span(to_90) if None not in to_90 else "not reached"
         cells = [
             algorithm,
             spread(start),
             spread(end),
-            f"{statistics.mean(minutes):.1f}",
+            span(minutes),
             to_90,
             f"{steps:.2f}",
             f"{responses:,.0f}",

@@ -244,7 +244,13 @@ if __name__ == "__main__":
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.start = time.time()  # time/elapsed counts training only; building the pairs is time/pairs
-    logger.log(0, {**eval_metrics, "data/pairs": len(pairs), "data/skipped_prompts": skipped, "time/pairs": pairs_time})
+    pairs_metrics = {
+        "data/pairs": len(pairs),
+        "data/skipped_prompts": skipped,
+        "time/pairs": pairs_time,
+        "train/responses": generated,
+    }
+    logger.log(0, {**eval_metrics, **pairs_metrics})
     order = torch.empty(0, dtype=torch.long)
 
     for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
