@@ -215,9 +215,8 @@ if __name__ == "__main__":
             completion_ids, mask, truncated = common.generate(
                 policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature
             )  # (B, T), (B, T) through the first EOS, (B,)
-            scores = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(
-                device
-            )  # (B,) the verifier
+            texts = common.decode(tokenizer, completion_ids, mask, truncated)
+            scores = task.reward(texts, answers).to(device)  # (B,) the verifier
             rewards = scores + compute_overlong_penalty(mask.sum(dim=1), args)  # DAPO: soft overlong punishment
             keep = filter_groups(rewards, args.group_size).repeat_interleave(args.group_size)  # (B,)
             rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards)])
