@@ -8,6 +8,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -44,19 +45,41 @@ def autocast(device: torch.device):
 # Tasks: a prompt, a reference answer, and a verifier that scores a completion 1 (correct) or 0
 # ---------------------------------------------------------------------------------------------------------------------
 
-TASKS = ("addition", "gsm8k")
-
 
 @dataclass
 class Task:
     name: str
     train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer
     eval: "datasets.Dataset"  # noqa: F821  fixed held-out split, never trained on
-    extract_answer: callable  # completion text -> the final answer it states (or None)
+    extract_answer: Callable[[str], str | None]  # completion text -> the final answer it states (or None)
 
     def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
         return torch.tensor([float(self.extract_answer(c) == a) for c, a in zip(completions, answers)])
+
+
+def split_by_key(dataset, num_held_out: int, key: Callable[[dict], object], seed: int):
+    """Split `dataset` into (rest, held_out) so that rows with the same key are never on both sides: whole key groups
+    go to the held-out side, in a shuffled order fixed by `seed`, while they fit into `num_held_out` rows. The key
+    names what must not leak: for addition the unordered pair of operands, so that "45+07=" is never trained on when
+    "07+45=" (same answer) is held out."""
+    groups = {}
+    for i, row in enumerate(dataset.to_list()):
+        groups.setdefault(key(row), []).append(i)
+    order = list(groups.values())
+    random.Random(seed).shuffle(order)
+    held_out = []
+    for rows in order:
+        if len(held_out) + len(rows) <= num_held_out:
+            held_out += rows
+    held = set(held_out)
+    return dataset.select([i for i in range(len(dataset)) if i not in held]), dataset.select(sorted(held_out))
+
+
+def addition_operands(row: dict) -> tuple[int, int]:
+    """The unordered pair {a, b} of an addition prompt "aa+bb=": a problem and its commuted twin share it."""
+    a, b = row["prompt"].rstrip("=").split("+")
+    return tuple(sorted((int(a), int(b))))
 
 
 def _addition_answer(completion: str) -> str | None:
@@ -70,18 +93,14 @@ def make_addition_task(num_eval: int = 500) -> Task:
     Arithmetic to Small Transformers", and the operands are zero-padded to two digits: each answer digit then depends
     on two aligned input digits and one carry, which a 1M-parameter model learns in about a minute on a CPU. Sums
     without carries are easy and sums with two carries are hard, so a group of responses can be all correct, all
-    wrong, or mixed. The held-out split is fixed (its own seed) and disjoint from the training split."""
+    wrong, or mixed. The held-out split is fixed (its own seed) and split by the unordered pair of operands: neither
+    a held-out problem nor its commuted twin is ever trained on."""
     import datasets
 
     problems = [(a, b) for a in range(100) for b in range(100)]
-    random.Random(1234).shuffle(problems)
     to_dict = lambda ps: {"prompt": [f"{a:02d}+{b:02d}=" for a, b in ps], "answer": [str(a + b)[::-1] for a, b in ps]}  # noqa: E731
-    return Task(
-        name="addition",
-        train=datasets.Dataset.from_dict(to_dict(problems[num_eval:])),
-        eval=datasets.Dataset.from_dict(to_dict(problems[:num_eval])),
-        extract_answer=_addition_answer,
-    )
+    train, held_out = split_by_key(datasets.Dataset.from_dict(to_dict(problems)), num_eval, addition_operands, seed=1234)
+    return Task(name="addition", train=train, eval=held_out, extract_answer=_addition_answer)
 
 
 def _gsm8k_answer(completion: str) -> str | None:
@@ -103,10 +122,12 @@ def make_gsm8k_task(num_eval: int = 500) -> Task:
     return Task("gsm8k", convert("train"), convert("test").select(range(num_eval)), _gsm8k_answer)
 
 
+TASKS: dict[str, Callable[[], Task]] = {"addition": make_addition_task, "gsm8k": make_gsm8k_task}
+
+
 def make_task(name: str) -> Task:
-    if name not in TASKS:
-        raise SystemExit(f"--task {name!r}: unknown task; allowed values are {', '.join(TASKS)}")
-    return make_addition_task() if name == "addition" else make_gsm8k_task()
+    """The task called `name` (checked by check_common_args before anything expensive)."""
+    return TASKS[name]()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -163,7 +184,17 @@ def builtin_model_dir(cache_dir: str) -> str:
 
     import sft
 
-    recipe_parts = (sft, make_addition_task, build_tokenizer, build_tiny_model, tokenize_prompts, generate, evaluate)
+    recipe_parts = (
+        sft,
+        make_addition_task,
+        split_by_key,
+        addition_operands,
+        build_tokenizer,
+        build_tiny_model,
+        tokenize_prompts,
+        generate,
+        evaluate,
+    )
     sources = [inspect.getsource(f) for f in recipe_parts]
     recipe = json.dumps(vars(sft.Args()), sort_keys=True) + "".join(sources)
     return os.path.join(cache_root(cache_dir), f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
@@ -276,7 +307,13 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, t
     from each row's first real token, exactly as in `generate`."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     with autocast(input_ids.device):
-        out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_len + 1)
+        out = model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=completion_len + 1,
+            use_cache=False,
+        )
     logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts completion token t
     all_logprobs = torch.log_softmax(logits, dim=-1)
     logprobs = all_logprobs.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)  # (B, T)
@@ -357,20 +394,42 @@ class MetricsLogger:
 
 
 def aggregate(rows: list[dict]) -> dict:
-    """Combine per-micro-batch metrics: max of *_max, min of *_min, mean of the rest."""
+    """Combine the metrics of several micro-batches and optimizer steps. A metric is a tensor of samples (one per
+    valid token for a token mean, one per response for a mean over responses, a scalar for a per-step number such as
+    the gradient norm); the samples of every row are pooled, then the max of *_max, the min of *_min and the mean of
+    the rest is taken. Pooling weights each micro-batch by its tokens (or responses), so that no logged number
+    depends on --micro-batch-size."""
     out = {}
     for key in dict.fromkeys(k for row in rows for k in row):
-        values = torch.stack([torch.as_tensor(row[key], dtype=torch.float32) for row in rows if key in row])
+        values = torch.cat(
+            [torch.as_tensor(row[key], dtype=torch.float32).detach().flatten().cpu() for row in rows if key in row]
+        )
         out[key] = values.max() if key.endswith("_max") else values.min() if key.endswith("_min") else values.mean()
     return out
 
 
-def check_common_args(args) -> None:
-    """Checks of the flags every RL script shares; each names its flag and what is allowed."""
+def check_finite(value: torch.Tensor, what: str, step: int) -> None:
+    """Stop the run, saying where, instead of training on NaN or inf."""
+    if not torch.isfinite(value).all():
+        raise SystemExit(f"non-finite {what} at step {step}: stopping (try a lower --learning-rate)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument checks: each names its flag and what is allowed, and runs before any model or data is loaded
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_shared_args(args) -> None:
+    """Checks of the shared block of flags (task, model, device) that every script has."""
     if args.task not in TASKS:
         raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(TASKS)}")
     check_model_path(args.model_name_or_path)
     get_device(args.device)
+
+
+def check_common_args(args) -> None:
+    """Checks of the flags every RL script shares."""
+    check_shared_args(args)
     for flag in ("temperature", "learning_rate"):
         if not getattr(args, flag) > 0:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
@@ -379,9 +438,3 @@ def check_common_args(args) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.micro_batch_size < 0:
         raise SystemExit(f"--micro-batch-size {args.micro_batch_size}: must be 0 (whole minibatch) or positive")
-
-
-def check_finite(value: torch.Tensor, what: str, step: int) -> None:
-    """Stop the run, saying where, instead of training on NaN or inf."""
-    if not torch.isfinite(value).all():
-        raise SystemExit(f"non-finite {what} at step {step}: stopping (try a lower --learning-rate)")

@@ -108,11 +108,21 @@ def test_generate_greedy_picks_the_argmax_and_matches_a_full_forward():
     assert torch.isfinite(logprobs[mask]).all()
 
 
+def operands(prompt: str) -> frozenset:
+    a, b = prompt.rstrip("=").split("+")
+    return frozenset((int(a), int(b)))
+
+
 def test_addition_task_is_fixed_disjoint_and_verified():
     task = common.make_task("addition")
     train, held_out = task.train[:], task.eval[:]  # dicts of lists
     assert len(task.eval) == 500 and len(task.train) == 10_000 - 500
     assert not set(held_out["prompt"]) & set(train["prompt"])
+    # no leak through commutation: "07+45=" held out means "45+07=" (the same answer) is never trained on
+    trained_pairs = {operands(p) for p in train["prompt"]}
+    assert not [p for p in held_out["prompt"] if operands(p) in trained_pairs]
+    twins = [p for p in held_out["prompt"] if len(operands(p)) == 2]
+    assert twins and all(f"{p[3:5]}+{p[:2]}=" in held_out["prompt"] for p in twins)  # both orders held out together
     assert common.make_task("addition").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
     answers = dict(zip(train["prompt"] + held_out["prompt"], train["answer"] + held_out["answer"]))
     assert answers["07+45="] == "25" and answers["68+57="] == "521" and answers["00+00="] == "0"  # sum, reversed
@@ -125,9 +135,57 @@ def test_gsm8k_verifier_reads_the_last_number():
     assert common._gsm8k_answer("no number here") is None
 
 
+def test_split_by_key_keeps_every_key_on_one_side():
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"prompt": [f"q{i % 7}" for i in range(40)], "answer": [str(i) for i in range(40)]})
+    rest, held = common.split_by_key(ds, 12, lambda row: row["prompt"], seed=0)
+    assert len(rest) + len(held) == 40 and 0 < len(held) <= 12
+    assert not set(rest["prompt"]) & set(held["prompt"])
+    again = common.split_by_key(ds, 12, lambda row: row["prompt"], seed=0)[1]
+    assert again["answer"] == held["answer"]  # fixed by its seed
+
+
 def test_aggregate_takes_max_min_and_mean():
     rows = [{"a": torch.tensor(1.0), "x_max": 2.0, "x_min": 0.5}, {"a": torch.tensor(3.0), "x_max": 5.0, "x_min": 0.1}]
     assert common.aggregate(rows) == {"a": 2.0, "x_max": 5.0, "x_min": pytest.approx(0.1)}
+
+
+def test_aggregate_weights_micro_batches_by_their_samples():
+    """Three valid tokens in one micro-batch and one in the other: the token mean is 7 / 4, not the mean of means 2.5."""
+    rows = [{"kl/old_approx": torch.tensor([1.0, 1.0, 1.0])}, {"kl/old_approx": torch.tensor([4.0])}, {"train/grad_norm": 2.0}]
+    out = common.aggregate(rows)
+    assert out["kl/old_approx"].item() == pytest.approx(7 / 4) and out["train/grad_norm"].item() == 2.0
+
+
+def test_decode_keeps_every_token_of_a_truncated_row():
+    tokenizer = common.build_tokenizer()
+    eos, two = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("2")
+    ids = torch.tensor([[two, two, two], [two, eos, 0], [eos, 0, 0]])
+    mask = common.completion_mask(ids, [eos])
+    truncated = torch.tensor([True, False, False])
+    assert common.decode(tokenizer, ids, mask, truncated) == ["222", "2", ""]
+
+
+def test_cat_padded_pads_right_or_left_and_concatenates_vectors():
+    a, b = torch.tensor([[1, 2, 3]]), torch.tensor([[4], [5]])
+    assert common.cat_padded([a, b]).tolist() == [[1, 2, 3], [4, 0, 0], [5, 0, 0]]
+    assert common.cat_padded([a, b], value=9, left=True).tolist() == [[1, 2, 3], [9, 9, 4], [9, 9, 5]]
+    assert common.cat_padded([torch.tensor([True]), torch.tensor([False, True])]).tolist() == [True, False, True]
+
+
+def test_evaluate_scores_greedy_answers_against_the_held_out_split():
+    """A scripted model answers "2" then EOS for rows 0 and 2, "22" then EOS for row 1, and never ends row 3."""
+    import datasets
+
+    tokenizer = common.build_tokenizer()
+    model = ScriptedModel([1, 2, 1, -1], tokenizer.eos_token_id)
+    model.weight = torch.nn.Parameter(torch.zeros(1))  # evaluate reads the device from the parameters
+    data = datasets.Dataset.from_dict({"prompt": ["1+1=", "11+11=", "1+1=", "1+1="], "answer": ["2", "22", "3", "2"]})
+    task = common.Task("scripted", data, data, common._addition_answer)
+    out = common.evaluate(model, tokenizer, task, max_new_tokens=3)
+    assert out["eval/accuracy"] == pytest.approx(0.5)  # rows 0 and 1 right; row 2 wrong; row 3 truncated at "222"
+    assert out["eval/response_length"] == pytest.approx((2 + 3 + 2 + 3) / 4)
 
 
 def test_check_finite_names_the_step():
