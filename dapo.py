@@ -12,9 +12,8 @@ Departures from the paper:
    warm-up policy, never reset.
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
-4. No KL term (beta = 0), as in the paper; |y| counts the EOS token; dynamic sampling filters groups on the shaped
-   reward that the advantage sees, not on accuracy alone (eq. 11), so that no kept group has zero variance; a group
-   that is all correct but differs in overlong penalties is kept, and the std then scales that difference up.
+4. No KL term (beta = 0), as in the paper; |y| counts the EOS token. Dynamic sampling filters groups on the
+   verifier's score, as eq. 11 does on accuracy; the advantage then sees the shaped reward (score + overlong penalty).
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 """
@@ -132,9 +131,11 @@ def compute_overlong_penalty(lengths: torch.Tensor, args: Args) -> torch.Tensor:
     return torch.clamp((args.max_new_tokens - args.overlong_buffer - lengths) / args.overlong_buffer, -1.0, 0.0)
 
 
-def filter_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO dynamic sampling (eq. 11): True for each group whose rewards are not all equal. rewards: (N,) -> (N / G,)"""
-    grouped = rewards.view(-1, group_size)
+def filter_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling (eq. 11): True for each group whose verifier scores are not all equal, i.e. neither all
+    correct nor all wrong. Filtering on the shaped reward instead would keep an all-correct group that differs only in
+    overlong penalties, and standardising would give that penalty the weight of correctness. (N,) -> (N / G,)"""
+    grouped = scores.view(-1, group_size)
     return ~grouped.eq(grouped[:, :1]).all(dim=1)
 
 
@@ -146,7 +147,8 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     Reduction: the sum over all valid tokens divided by their number, every token weighted equally.
     With `num_tokens` (the minibatch's valid-token count) a micro-batch returns its share of the minibatch's loss,
     so that micro-batches add up to exactly the minibatch's token mean (not a mean of micro-batch means)."""
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # (N, T) masked before exp: padding cannot overflow
+    ratio = torch.exp(log_ratio)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
     low, high = 1 - args.clip_eps_low, 1 + args.clip_eps_high  # the clip range of the ratio; DAPO: decoupled
     pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
@@ -154,26 +156,26 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     if args.beta > 0:
         # k3 = r - log r - 1, r = pi_ref / pi_theta (DeepSeekMath eq. 4). Its value estimates KL(pi || pi_ref), but at
         # frozen samples its gradient estimates grad KL(pi_ref || pi), the other direction. We keep the paper's term.
-        kl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # (N, T) >= 0
+        ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)  # (N, T) log(pi_ref / pi_theta), masked before exp
+        kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1  # (N, T) >= 0
         loss = pg_loss + args.beta * kl
-    reduce = lambda x: torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)  # DAPO: token-level mean
+    reduce = lambda x: x[mask]  # DAPO: one sample per valid token, for a token-level mean
     total = torch.where(mask, loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))  # share of the minibatch's loss
 
     if not mask.any():  # DAPO: every response here is truncated and masked out (--mask-truncated): no loss, no metrics
         return total, {}
-    with torch.no_grad():
-        token_mean = lambda x: x[mask].mean()  # noqa: E731
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
         metrics = {
             "loss/policy": reduce(pg_loss),
-            "train/ratio_mean": token_mean(ratio),
-            "train/ratio_min": ratio[mask].min(),
-            "train/ratio_max": ratio[mask].max(),
-            "train/clip_frac_low": token_mean(((ratio < low) & (adv < 0)).float()),
-            "train/clip_frac_high": token_mean(((ratio > high) & (adv > 0)).float()),
-            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+            "train/ratio_mean": ratio[mask],
+            "train/ratio_min": ratio[mask],
+            "train/ratio_max": ratio[mask],
+            "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
+            "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
+            "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
         }
         if args.beta > 0:
-            metrics.update({"kl/ref": token_mean(kl), "loss/kl": args.beta * reduce(kl)})
+            metrics.update({"kl/ref": kl[mask], "loss/kl": args.beta * reduce(kl)})
     return total, metrics
 
 
@@ -218,7 +220,7 @@ if __name__ == "__main__":
             texts = common.decode(tokenizer, completion_ids, mask, truncated)
             scores = task.reward(texts, answers).to(device)  # (B,) the verifier
             rewards = scores + compute_overlong_penalty(mask.sum(dim=1), args)  # DAPO: soft overlong punishment
-            keep = filter_groups(rewards, args.group_size).repeat_interleave(args.group_size)  # (B,)
+            keep = filter_groups(scores, args.group_size).repeat_interleave(args.group_size)  # (B,) on accuracy, eq. 11
             rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards)])
             all_scores.append(scores)
             if sum(len(r[0]) for r in rounds) >= args.batch_size:
@@ -229,8 +231,9 @@ if __name__ == "__main__":
                 f"step {step}: dynamic sampling kept only {num_kept} of {args.num_prompts} groups with unequal rewards in "
                 f"{args.max_sampling_rounds} rounds (--max-sampling-rounds); the task is too easy or too hard for the policy"
             )
-        kept = [common.cat_padded(list(t), left=i < 2)[: args.batch_size] for i, t in enumerate(zip(*rounds))]  # whole groups
-        prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards = kept  # padding: id 0, mask False
+        columns = dict(zip(["prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "rewards"], zip(*rounds)))
+        kept = {k: common.cat_padded(list(v), left=k.startswith("prompt"))[: args.batch_size] for k, v in columns.items()}
+        prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards = kept.values()  # whole groups; padding: id 0, False
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         T = completion_ids.shape[1]
@@ -271,19 +274,19 @@ if __name__ == "__main__":
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature
                     )  # (b, T) each
-                    mb_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
-                    mb_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
+                    micro_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
+                    micro_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
                     loss, metrics = compute_loss(
-                        logprobs, mb_old_logprobs, mb_ref_logprobs, advantages[idx], loss_mask[idx], args, num_tokens
+                        logprobs, micro_old_logprobs, micro_ref_logprobs, advantages[idx], loss_mask[idx], args, num_tokens
                     )
                     common.check_finite(loss, "loss", step)
                     loss.backward()
-                    metrics["train/entropy"] = entropy[mask[idx]].mean()
+                    metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
                 optimizer.step()
-                train_metrics[-1]["train/grad_norm"] = grad_norm
+                train_metrics.append({"train/grad_norm": grad_norm})
 
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate

@@ -121,7 +121,8 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     Reduction: the mean over each response's valid tokens, then the mean over responses.
     With `num_responses` (the minibatch's response count) a micro-batch returns its share of the minibatch's loss,
     so that micro-batches add up to exactly the minibatch's loss and gradient."""
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # (N, T) masked before exp: padding cannot overflow
+    ratio = torch.exp(log_ratio)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
     low, high = 1 - args.clip_eps, 1 + args.clip_eps  # the clip range of the ratio
     pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
@@ -129,25 +130,25 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     if args.beta > 0:
         # k3 = r - log r - 1, r = pi_ref / pi_theta (DeepSeekMath eq. 4). Its value estimates KL(pi || pi_ref), but at
         # frozen samples its gradient estimates grad KL(pi_ref || pi), the other direction. We keep the paper's term.
-        kl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # (N, T) >= 0
+        ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)  # (N, T) log(pi_ref / pi_theta), masked before exp
+        kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1  # (N, T) >= 0
         loss = pg_loss + args.beta * kl
     num_tokens = mask.sum(dim=1).clamp(min=1)  # (N,) |o_i|
-    reduce = lambda x: (torch.where(mask, x, 0.0).sum(dim=1) / num_tokens).mean()  # mean_i 1/|o_i| sum_t x_it
-    total = reduce(loss) * len(loss) / (num_responses or len(loss))  # this batch's share of the minibatch's loss
+    reduce = lambda x: torch.where(mask, x, 0.0).sum(dim=1) / num_tokens  # (N,) 1/|o_i| sum_t x_it, one per response
+    total = reduce(loss).sum() / (num_responses or len(loss))  # the mean over responses (or this batch's share of it)
 
-    with torch.no_grad():
-        token_mean = lambda x: x[mask].mean()  # noqa: E731
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
         metrics = {
             "loss/policy": reduce(pg_loss),
-            "train/ratio_mean": token_mean(ratio),
-            "train/ratio_min": ratio[mask].min(),
-            "train/ratio_max": ratio[mask].max(),
-            "train/clip_frac_low": token_mean(((ratio < low) & (adv < 0)).float()),
-            "train/clip_frac_high": token_mean(((ratio > high) & (adv > 0)).float()),
-            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+            "train/ratio_mean": ratio[mask],
+            "train/ratio_min": ratio[mask],
+            "train/ratio_max": ratio[mask],
+            "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
+            "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
+            "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
         }
         if args.beta > 0:
-            metrics.update({"kl/ref": token_mean(kl), "loss/kl": args.beta * reduce(kl)})
+            metrics.update({"kl/ref": kl[mask], "loss/kl": args.beta * reduce(kl)})
     return total, metrics
 
 
@@ -223,19 +224,19 @@ if __name__ == "__main__":
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature
                     )  # (b, T) each
-                    mb_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
-                    mb_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
+                    micro_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
+                    micro_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
                     loss, metrics = compute_loss(
-                        logprobs, mb_old_logprobs, mb_ref_logprobs, advantages[idx], mask[idx], args, len(mb_idx)
+                        logprobs, micro_old_logprobs, micro_ref_logprobs, advantages[idx], mask[idx], args, len(mb_idx)
                     )
                     common.check_finite(loss, "loss", step)
                     loss.backward()
-                    metrics["train/entropy"] = entropy[mask[idx]].mean()
+                    metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
                 optimizer.step()
-                train_metrics[-1]["train/grad_norm"] = grad_norm
+                train_metrics.append({"train/grad_norm": grad_norm})
 
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate

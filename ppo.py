@@ -83,8 +83,7 @@ class Args:
     whiten_advantages: bool = True
     """standardise the advantages over the valid tokens of the batch (the returns are formed before this)"""
     value_clip_eps: float = 0.0
-    """clip the value prediction to old value +- this in the value loss (0: off; a fresh critic must move far from
-    its first predictions, and clipping slowed it without a gain in studies of PPO's details)"""
+    """clip the value prediction to old value +- this in the value loss (0: off: a fresh critic must move far)"""
     entropy_coef: float = 0.0
     """coefficient of the entropy bonus"""
     target_kl: float = 0.0
@@ -122,7 +121,7 @@ def compute_rewards(scores, logprobs, ref_logprobs, mask, args):
     """Per-token rewards (N, T): r_t = -beta * (log pi_old - log pi_ref) at every response token, plus the task score
     at the last response token (Ouyang et al. 2022, eq. 2). logprobs are the behaviour policy's, so the
     penalty is fixed at rollout time. scores: (N,); logprobs, ref_logprobs, mask: (N, T). Zero on padding."""
-    rewards = -args.beta * (logprobs - ref_logprobs) if args.beta > 0 else torch.zeros_like(logprobs)
+    rewards = -args.beta * (logprobs - ref_logprobs) if args.beta > 0 else torch.zeros(mask.shape, device=mask.device)
     last = mask.sum(dim=1) - 1  # (N,) index of the last valid token (EOS, or the last token of a truncated response)
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
     return torch.where(mask, rewards, 0.0)
@@ -151,21 +150,22 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args, num_toke
 
     logprobs, old_logprobs, advantages, mask: (N, T). With `num_tokens` (the minibatch's valid-token count) a
     micro-batch returns its share of the minibatch's loss, so that micro-batches add up to the minibatch's token mean."""
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # (N, T) masked before exp: padding cannot overflow
+    ratio = torch.exp(log_ratio)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    adv = advantages  # (N, T) PPO: one advantage per token, from GAE
     low, high = 1 - args.clip_eps, 1 + args.clip_eps  # the clip range of the ratio
-    pg_loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)  # (N, T)
-    total = torch.where(mask, pg_loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))
+    pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
+    total = torch.where(mask, pg_loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))  # PPO: token mean
 
-    with torch.no_grad():
-        token_mean = lambda x: x[mask].mean()  # noqa: E731
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
         metrics = {
-            "loss/policy": token_mean(pg_loss),
-            "train/ratio_mean": token_mean(ratio),
-            "train/ratio_min": ratio[mask].min(),
-            "train/ratio_max": ratio[mask].max(),
-            "train/clip_frac_low": token_mean(((ratio < low) & (advantages < 0)).float()),
-            "train/clip_frac_high": token_mean(((ratio > high) & (advantages > 0)).float()),
-            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+            "loss/policy": pg_loss[mask],  # PPO: one sample per token
+            "train/ratio_mean": ratio[mask],
+            "train/ratio_min": ratio[mask],
+            "train/ratio_max": ratio[mask],
+            "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
+            "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
+            "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
         }
     return total, metrics
 
@@ -180,8 +180,8 @@ def compute_value_loss(values, old_values, returns, mask, args, num_tokens=None)
         loss = torch.max(loss, 0.5 * (clipped - returns) ** 2)
     total = torch.where(mask, loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))
     with torch.no_grad():
-        clip_frac = ((values - old_values).abs() > args.value_clip_eps).float()[mask].mean() if args.value_clip_eps > 0 else 0
-        metrics = {"loss/value": loss[mask].mean(), "train/value_clip_frac": clip_frac}
+        clip_frac = ((values - old_values).abs() > args.value_clip_eps).float()[mask] if args.value_clip_eps > 0 else 0.0
+        metrics = {"loss/value": loss[mask], "train/value_clip_frac": clip_frac}
     return total, metrics
 
 
@@ -200,8 +200,8 @@ class Critic(torch.nn.Module):
     def forward(self, input_ids, attention_mask, completion_len: int):
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         with common.autocast(input_ids.device):
-            hidden = self.body(input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        return self.head(hidden[:, -completion_len - 1 : -1].float()).squeeze(-1)  # (B, T)
+            out = self.body(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        return self.head(out.last_hidden_state[:, -completion_len - 1 : -1].float()).squeeze(-1)  # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -221,11 +221,8 @@ if __name__ == "__main__":
         ref_policy.requires_grad_(False)
     critic = Critic(common.resolve_model_path(args.model_name_or_path, args.cache_dir)).to(device)
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
-    optimizer = torch.optim.AdamW(
-        [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}],
-        lr=args.learning_rate,
-        weight_decay=0.0,
-    )
+    param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
+    optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
     logger = common.MetricsLogger(args.output_dir)
     rng = random.Random(args.seed)
     eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
@@ -237,7 +234,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
         batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
-        prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]
+        prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
         answers = [a for a in batch["answer"] for _ in range(args.group_size)]
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
         completion_ids, mask, truncated = common.generate(
@@ -246,65 +243,74 @@ if __name__ == "__main__":
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         T = completion_ids.shape[1]
-        # several epochs: the old log-probs must be the behaviour policy's, computed before any update
-        old_logprobs = common.frozen_logprobs(policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size)
-        ref_logprobs = None  # (B, T), no gradient
+        # with one optimizer step per rollout the policy is still pi_old when the loss is computed: the old log-probs
+        # are then the current ones detached, and a separate forward pass would be wasted work
+        on_policy = args.num_minibatches == 1 and args.num_epochs == 1
+        old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
+        if not on_policy or args.beta > 0:  # PPO: the KL reward needs pi_old's log-probs before any update
+            old_logprobs = common.frozen_logprobs(
+                policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
         if args.beta > 0:
             ref_logprobs = common.frozen_logprobs(
                 ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
-        with torch.no_grad():
+        with torch.no_grad():  # PPO: the old values
             chunks = zip(input_ids.split(args.micro_batch_size), attention_mask.split(args.micro_batch_size))
             old_values = torch.cat([critic(ids, att, T) for ids, att in chunks])  # (B, T) V_old(s_t)
 
         # -------------------------------------------------------------------------------------------------------------
         # Reward: the task's score at the last token, and the KL penalty at every token
         # -------------------------------------------------------------------------------------------------------------
-        scores = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
-        rewards = compute_rewards(scores, old_logprobs, ref_logprobs, mask, args)  # (B, T)
+        rewards = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
+        token_rewards = compute_rewards(rewards, old_logprobs, ref_logprobs, mask, args)  # (B, T) PPO: per token
 
         # -------------------------------------------------------------------------------------------------------------
         # Advantage: GAE from the rewards and the old values; returns before whitening
         # -------------------------------------------------------------------------------------------------------------
-        advantages, returns = compute_gae(rewards, old_values, mask, args)  # (B, T) each
+        advantages, returns = compute_gae(token_rewards, old_values, mask, args)  # (B, T) each, PPO: GAE per token
         raw_advantages = advantages[mask]
-        if args.whiten_advantages:
+        if args.whiten_advantages:  # PPO: over the valid tokens of the whole batch
             advantages = torch.where(mask, (advantages - raw_advantages.mean()) / (raw_advantages.std() + 1e-8), 0.0)
         rollout_time = time.time() - step_start
 
         # -------------------------------------------------------------------------------------------------------------
         # Update: num_epochs passes over num_minibatches minibatches, one optimizer step each (actor and critic)
         # -------------------------------------------------------------------------------------------------------------
-        train_metrics, stop = [], False
+        train_metrics, stop = [], False  # PPO: stop is the early stop on --target-kl
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
-                num_tokens = mask[mb_idx].sum().clamp(min=1)  # the token mean is over the whole minibatch
+                num_tokens = mask[mb_idx].sum().clamp(min=1)  # PPO: the token mean is over the whole minibatch
                 for idx in mb_idx.split(args.micro_batch_size):
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature, args.entropy_coef > 0
                     )  # (b, T) each
+                    micro_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
                     pg_loss, metrics = compute_policy_loss(
-                        logprobs, old_logprobs[idx], advantages[idx], mask[idx], args, num_tokens
+                        logprobs, micro_old_logprobs, advantages[idx], mask[idx], args, num_tokens
                     )
-                    values = critic(input_ids[idx], attention_mask[idx], T)  # (b, T)
+                    values = critic(input_ids[idx], attention_mask[idx], T)  # (b, T) PPO: the critic's update
                     value_loss, value_metrics = compute_value_loss(
                         values, old_values[idx], returns[idx], mask[idx], args, num_tokens
                     )
                     entropy_bonus = torch.where(mask[idx], entropy, 0.0).sum() / num_tokens
-                    loss = pg_loss + value_loss - args.entropy_coef * entropy_bonus
+                    loss = pg_loss + value_loss - args.entropy_coef * entropy_bonus  # PPO: actor, critic and entropy
                     common.check_finite(loss, "loss", step)
                     loss.backward()
                     metrics.update(value_metrics)
-                    metrics["train/entropy"] = entropy[mask[idx]].mean().detach()
+                    metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
+                common.check_finite(critic_grad_norm, "critic gradient norm", step)
                 optimizer.step()
-                train_metrics[-1]["train/grad_norm"] = grad_norm
-                if args.target_kl and train_metrics[-1]["kl/old_approx"] > args.target_kl:
-                    stop = True  # early stop: the policy has moved far enough from the behaviour policy
+                train_metrics.append({"train/grad_norm": grad_norm, "train/critic_grad_norm": critic_grad_norm})
+                # PPO: early stop once the minibatch's token-weighted KL to the behaviour policy (before this step) is large
+                mb_kl = common.aggregate(train_metrics[-1 - len(mb_idx.split(args.micro_batch_size)) : -1])["kl/old_approx"]
+                if args.target_kl and mb_kl > args.target_kl:
+                    stop = True
                     break
             if stop:
                 break
@@ -313,15 +319,14 @@ if __name__ == "__main__":
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
         row = common.aggregate(train_metrics)
-        valid_returns, valid_values = returns[mask], old_values[mask]
         row.update(
             {
-                "rollout/reward_mean": scores.mean(),
+                "rollout/reward_mean": rewards.mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
                 "rollout/truncated_frac": truncated.float().mean(),
                 "train/advantage_mean": raw_advantages.mean(),
                 "train/advantage_std": raw_advantages.std(),
-                "train/explained_variance": 1 - (valid_returns - valid_values).var() / valid_returns.var().clamp(min=1e-8),
+                "train/explained_variance": 1 - (returns - old_values)[mask].var() / returns[mask].var().clamp(min=1e-8),
                 "train/early_stopped": float(stop),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,
@@ -335,7 +340,7 @@ if __name__ == "__main__":
             eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
             row.update(eval_metrics)
         logger.log(step, row)
-        bar.set_postfix(reward=f"{scores.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save

@@ -1,10 +1,9 @@
 """RLOO: REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, Back to Basics, §2.3).
 
-For every prompt the behaviour policy samples a group of G responses. A response's advantage is its reward minus the
-mean reward of the other G - 1, and the KL penalty is in the reward: R - beta * sum_t (log pi_old - log pi_ref). The
-loss sums the clipped surrogate over each response's tokens (no 1/|o_i|): on-policy and unclipped, its gradient is an
-unbiased estimate of the gradient of E[R] - beta * KL(pi || pi_ref), the KL-regularised sequence objective, because
-the baseline never depends on the response it scores. Clipping and reusing samples give that up for stability.
+For every prompt the behaviour policy samples a group of G responses. A response's advantage is its reward
+minus the mean reward of the other G - 1, with the KL penalty in the reward, R - beta * sum_t (log pi_old - log pi_ref),
+and the loss sums the clipped surrogate over each response's tokens: on-policy and unclipped, its gradient is unbiased
+for the gradient of E[R] - beta * KL(pi || pi_ref), as the baseline never depends on the response it scores.
 
     python rloo.py
 
@@ -107,38 +106,41 @@ def compute_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     rewards: (N,) with each group's G responses contiguous. A group whose rewards are all equal carries no signal:
     its advantage is exactly 0."""
     grouped = rewards.view(-1, group_size)  # (N / G, G)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # RLOO: mean of the other G - 1
-    advantages = grouped - baseline
+    advantages = grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # RLOO: minus the others' mean
     advantages = advantages.masked_fill(grouped.eq(grouped[:, :1]).all(dim=1, keepdim=True), 0.0)
     return advantages.view(-1)  # (N,)
+
+
+def compute_kl_rewards(rewards, old_logprobs, ref_logprobs, mask, args):
+    """RLOO §2.3: the KL-shaped reward R - beta * sum_t (log pi_old - log pi_ref), k1 of pi_old; (N,) from (N,), (N, T)."""
+    return rewards - args.beta * torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1) if args.beta > 0 else rewards
 
 
 def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, num_responses=None):
     """Negative RLOO objective (RLOO §2.3, with PPO's clipping) on a batch of responses.
 
     logprobs, old_logprobs, ref_logprobs, mask: (N, T); advantages: (N,). Per token: the clipped surrogate
-    min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A); ref_logprobs is unused, the KL penalty is in the reward.
-    Reduction: the sum over each response's valid tokens, then the mean over responses.
+    min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A), summed over each response's valid tokens, then averaged over responses.
     With `num_responses` (the minibatch's response count) a micro-batch returns its share of the minibatch's loss,
     so that micro-batches add up to exactly the minibatch's loss and gradient."""
-    ratio = torch.exp(logprobs - old_logprobs)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # (N, T) masked before exp: padding cannot overflow
+    ratio = torch.exp(log_ratio)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
     low, high = 1 - args.clip_eps, 1 + args.clip_eps  # the clip range of the ratio
     pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
     loss = pg_loss
-    reduce = lambda x: torch.where(mask, x, 0.0).sum(dim=1).mean()  # RLOO: mean_i sum_t x_it, no 1/|o_i|
-    total = reduce(loss) * len(loss) / (num_responses or len(loss))  # this batch's share of the minibatch's loss
+    reduce = lambda x: torch.where(mask, x, 0.0).sum(dim=1)  # (N,) RLOO: sum_t x_it, no 1/|o_i|
+    total = reduce(loss).sum() / (num_responses or len(loss))  # the mean over responses (or this batch's share of it)
 
-    with torch.no_grad():
-        token_mean = lambda x: x[mask].mean()  # noqa: E731
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
         metrics = {
             "loss/policy": reduce(pg_loss),
-            "train/ratio_mean": token_mean(ratio),
-            "train/ratio_min": ratio[mask].min(),
-            "train/ratio_max": ratio[mask].max(),
-            "train/clip_frac_low": token_mean(((ratio < low) & (adv < 0)).float()),
-            "train/clip_frac_high": token_mean(((ratio > high) & (adv > 0)).float()),
-            "kl/old_approx": token_mean(ratio - 1 - torch.log(ratio)),  # k3 of KL(pi_old || pi_theta)
+            "train/ratio_mean": ratio[mask],
+            "train/ratio_min": ratio[mask],
+            "train/ratio_max": ratio[mask],
+            "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
+            "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
+            "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
         }
     return total, metrics
 
@@ -197,12 +199,11 @@ if __name__ == "__main__":
         # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored as they stand)
         # -------------------------------------------------------------------------------------------------------------
         rewards = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
-        kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1) if args.beta > 0 else 0.0  # RLOO: (B,)
 
         # -------------------------------------------------------------------------------------------------------------
         # Advantage: each response compared with its group
         # -------------------------------------------------------------------------------------------------------------
-        advantages = compute_advantages(rewards - args.beta * kl, args.group_size)  # (B,) RLOO: KL-shaped reward
+        advantages = compute_advantages(compute_kl_rewards(rewards, old_logprobs, ref_logprobs, mask, args), args.group_size)
         rollout_time = time.time() - step_start
 
         # -------------------------------------------------------------------------------------------------------------
@@ -216,19 +217,19 @@ if __name__ == "__main__":
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature
                     )  # (b, T) each
-                    mb_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
-                    mb_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
+                    micro_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
+                    micro_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
                     loss, metrics = compute_loss(
-                        logprobs, mb_old_logprobs, mb_ref_logprobs, advantages[idx], mask[idx], args, len(mb_idx)
+                        logprobs, micro_old_logprobs, micro_ref_logprobs, advantages[idx], mask[idx], args, len(mb_idx)
                     )
                     common.check_finite(loss, "loss", step)
                     loss.backward()
-                    metrics["train/entropy"] = entropy[mask[idx]].mean()
+                    metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
                 optimizer.step()
-                train_metrics[-1]["train/grad_norm"] = grad_norm
+                train_metrics.append({"train/grad_norm": grad_norm})
 
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate

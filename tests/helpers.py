@@ -1,4 +1,5 @@
-"""Shared test fixtures: the notes' clip table, exact policy gradients of a tiny softmax policy, a tiny random model."""
+"""Shared test fixtures: a clip table of PPO's surrogate, exact policy gradients of a tiny softmax policy, a tiny random
+model."""
 
 import torch
 
@@ -6,7 +7,8 @@ import common
 
 
 def clip_table():
-    """§8.4, eps = 0.2, old probability 0.2: (advantage, ratio, clipped objective, slope d objective / d ratio)."""
+    """PPO's clipped surrogate (Schulman et al. 2017, eq. 7), eps = 0.2, old probability 0.2: (advantage, ratio, clipped
+    objective, slope d objective / d ratio)."""
     return [
         (+2, 0.5, 1.0, 2.0),
         (+2, 1.1, 2.2, 2.0),

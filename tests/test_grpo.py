@@ -1,4 +1,4 @@
-"""grpo.py's advantage and loss against the numbers and properties of DeepSeekMath §4.1 as derived in the notes."""
+"""grpo.py's advantage and loss against the numbers and properties of DeepSeekMath §4.1 and of PPO (Schulman et al. 2017)."""
 
 import itertools
 import math
@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import common
 import grpo
 from helpers import clip_table, policy_gradient_of, tiny_model, true_gradient
 
@@ -63,6 +64,7 @@ def test_groups_are_independent_and_zero_mean():
 def test_on_policy_ratio_is_one_and_nothing_is_clipped():
     logprobs = -torch.rand(6, 5)
     _, m = grpo.compute_loss(logprobs, logprobs, None, torch.randn(6), torch.ones(6, 5, dtype=torch.bool), args())
+    m = common.aggregate([m])
     assert m["train/ratio_mean"] == 1 and m["train/ratio_min"] == 1 and m["train/ratio_max"] == 1
     assert m["train/clip_frac_low"] == 0 and m["train/clip_frac_high"] == 0 and m["kl/old_approx"] == 0
 
@@ -89,6 +91,7 @@ def test_clip_fractions_count_only_tokens_on_a_plateau():
     _, m = grpo.compute_loss(
         ratios.log(), torch.zeros(2, 3), None, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool), args()
     )
+    m = common.aggregate([m])
     assert m["train/clip_frac_high"] == pytest.approx(1 / 6) and m["train/clip_frac_low"] == pytest.approx(1 / 6)
 
 
@@ -96,7 +99,7 @@ def test_approximate_kl_to_the_old_policy_is_k3():
     ratios = torch.tensor([[0.5, 2.0]])
     _, m = grpo.compute_loss(ratios.log(), torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2, dtype=torch.bool), args())
     expected = ((ratios - 1 - ratios.log()).mean()).item()  # E_old[r - 1 - log r] = KL(pi_old || pi_theta)
-    assert m["kl/old_approx"].item() == pytest.approx(expected) and expected > 0.1
+    assert common.aggregate([m])["kl/old_approx"].item() == pytest.approx(expected) and expected > 0.1
 
 
 def test_token_coefficients_are_1_over_20_and_1_over_200():
@@ -155,7 +158,7 @@ def grpo_logprobs(model, input_ids, attention_mask, mask):
     return common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0]
 
 
-# --- expectations by exact enumeration over a tiny softmax policy (§11.2, §11.3, §11.8) ---------------------------------
+# --- expectations by exact enumeration over a tiny softmax policy ---------------------------------
 
 
 def expected_gradient(theta, rewards, group_size, advantage_fn):
@@ -173,7 +176,8 @@ def expected_gradient(theta, rewards, group_size, advantage_fn):
 
 @pytest.mark.parametrize("group_size", [2, 3, 4])
 def test_mean_centred_baseline_scales_the_gradient_by_g_minus_1_over_g(group_size):
-    """§11.2: with the group mean (which includes the response itself) as baseline, E[grad] = (G-1)/G * grad E[R]."""
+    """Leave-one-out versus mean baselines (Kool et al. 2019; Ahmadian et al. 2024, §2.3): with the group mean (which includes
+    the response itself) as baseline, E[grad] = (G-1)/G * grad E[R]."""
     theta, rewards = torch.tensor([0.3, -0.5, 1.1]), torch.tensor([0.0, 1.0, 10.0])
     mean_centred = lambda r: r - r.mean()  # noqa: E731
     got = expected_gradient(theta, rewards, group_size, mean_centred)
@@ -181,7 +185,8 @@ def test_mean_centred_baseline_scales_the_gradient_by_g_minus_1_over_g(group_siz
 
 
 def test_standardisation_can_change_the_direction():
-    """§11.3: uniform 3-action policy, G = 2: rewards (0,1,10) and (0,9,10) both give E[grad] = (-2/9, 0, 2/9)."""
+    """Standardised advantages are not a rescaled policy gradient (Liu et al. 2025, §3.1): uniform 3-action policy, G = 2:
+    rewards (0,1,10) and (0,9,10) both give E[grad] = (-2/9, 0, 2/9)."""
     theta = torch.zeros(3)
     standardised = lambda r: grpo.compute_advantages(r, len(r), eps=0.0)  # noqa: E731
     for rewards, truth in (([0.0, 1.0, 10.0], [-11 / 9, -8 / 9, 19 / 9]), ([0.0, 9.0, 10.0], [-19 / 9, 8 / 9, 11 / 9])):
@@ -192,7 +197,8 @@ def test_standardisation_can_change_the_direction():
 
 
 def test_k3_value_is_reverse_kl_but_its_gradient_is_forward_kl():
-    """§11.8: on samples from pi, E[k3] = KL(pi || ref) while E[grad k3] = grad KL(ref || pi)."""
+    """k3 (Schulman 2020, "Approximating KL divergence"; DeepSeekMath eq. 4): on samples from pi, E[k3] = KL(pi || ref) while
+    E[grad k3] = grad KL(ref || pi)."""
     theta, ref = torch.tensor([0.4, -0.2, 0.9]), torch.softmax(torch.tensor([0.0, 0.5, -0.5]), dim=0)
     probs, ones = torch.softmax(theta, dim=0), torch.ones(1, 1, dtype=torch.bool)
 
@@ -202,7 +208,7 @@ def test_k3_value_is_reverse_kl_but_its_gradient_is_forward_kl():
 
     value, grad = 0.0, torch.zeros(3)
     for a in range(3):
-        value += probs[a] * loss_of(torch.log_softmax(theta, dim=0)[a].view(1, 1), a)[1]["kl/ref"]
+        value += probs[a] * loss_of(torch.log_softmax(theta, dim=0)[a].view(1, 1), a)[1]["kl/ref"].mean()
         grad += probs[a] * -policy_gradient_of(lambda lp, a=a: loss_of(lp, a)[0], theta, torch.tensor([a]))
     theta_ = theta.clone().requires_grad_(True)
     p = torch.softmax(theta_, dim=0)

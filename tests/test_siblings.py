@@ -1,4 +1,5 @@
-"""rloo.py, dr_grpo.py, dapo.py and gspo.py against RLOO §2.3, Dr. GRPO §3.2, DAPO §3 and GSPO §4 as the notes derive them."""
+"""rloo.py, dr_grpo.py, dapo.py and gspo.py against RLOO §2.3, Dr. GRPO §3.2, DAPO §3 and GSPO §4 checked against their papers'
+formulas and by exact enumeration."""
 
 import itertools
 import math
@@ -8,17 +9,21 @@ import subprocess
 import pytest
 import torch
 
+import common
 import dapo
 import dr_grpo
 import grpo
 import gspo
+import ppo
 import rloo
 from helpers import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script, budget", [("rloo.py", 50), ("dr_grpo.py", 40), ("gspo.py", 40), ("dapo.py", 140)])
+@pytest.mark.parametrize(
+    "script, budget", [("rloo.py", 50), ("dr_grpo.py", 40), ("gspo.py", 40), ("dapo.py", 140), ("ppo.py", 240)]
+)
 def test_diff_budget_against_grpo(script, budget):
     """A sibling changes grpo.py only where its algorithm differs: lines starting with < or > in `diff grpo.py X`."""
     out = subprocess.run(["diff", "grpo.py", script], cwd=ROOT, capture_output=True, text=True).stdout
@@ -54,7 +59,7 @@ def test_zero_variance_groups_get_exactly_zero(module):
     assert torch.equal(adv[:6], torch.zeros(6)) and adv[6:].abs().min() > 0
 
 
-# --- expected gradients by exact enumeration over a tiny autoregressive policy (§10.2, §11.2, §11.4) ------------------
+# --- expected gradients by exact enumeration over a tiny autoregressive policy ------------------
 # Vocabulary {a, b, EOS}, at most two tokens: first-token logits theta[0], second-token logits theta[1 + y1]. A response
 # is EOS alone (1 token) or y1 followed by any token (2 tokens; without EOS it is truncated). Seven responses in all.
 
@@ -103,36 +108,49 @@ def true_gradient(beta=0.0, ref_theta=None):
 
 @pytest.mark.parametrize("group_size", [2, 3])
 def test_rloo_expected_gradient_is_the_true_gradient(group_size):
-    """§11.2: the leave-one-out baseline and the per-response token sum give an unbiased sequence-level gradient."""
+    """RLOO §2.3: the leave-one-out baseline and the per-response token sum give an unbiased sequence-level gradient."""
     assert torch.allclose(expected_gradient(rloo, group_size), true_gradient(), atol=1e-5)
 
 
 @pytest.mark.parametrize("group_size", [2, 3])
 def test_mean_centred_expected_gradient_is_g_minus_1_over_g_of_it(group_size):
-    """§11.2 and §11.5: the group mean includes the response itself; Dr. GRPO also divides by C = max_new_tokens."""
+    """Dr. GRPO §3.2: the group mean includes the response itself; Dr. GRPO also divides by C = max_new_tokens."""
     got = expected_gradient(dr_grpo, group_size, max_new_tokens=2)
     assert torch.allclose(got, (group_size - 1) / group_size / 2 * true_gradient(), atol=1e-5)
 
 
 def test_grpo_length_normalisation_is_not_a_rescaled_true_gradient():
-    """§11.4: 1/|o_i| weights responses by their length, so no single factor recovers the true gradient."""
+    """Dr. GRPO §3.1: 1/|o_i| weights responses by their length, so no single factor recovers the true gradient."""
     got, truth = expected_gradient(grpo, 2), true_gradient()
     factor = (got * truth).sum() / (truth * truth).sum()
     assert not torch.allclose(got, factor * truth, atol=1e-3)
 
 
 def test_rloo_with_the_kl_in_the_reward_is_unbiased_for_the_regularised_objective():
-    """§10.2: on-policy, R - beta * sum_t (log pi - log pi_ref) as a constant reward gives grad(E[R] - beta KL)."""
+    """RLOO §2.3 (the KL penalty in the reward, as in Ziegler et al. 2019): on-policy, R - beta * sum_t (log pi - log pi_ref)
+    as a constant reward gives grad(E[R] - beta KL)."""
     ref_theta, beta = torch.tensor([[0.0, 0.3, -0.1], [0.2, 0.2, 0.0], [0.1, -0.5, 0.4]]), 0.5
 
-    def shape(rewards, group, logprobs, mask):  # rloo.py's reward line, with pi_old = pi_theta (on-policy)
+    def shape(rewards, group, logprobs, mask):  # rloo.py's KL-shaped reward, with pi_old = pi_theta (on-policy)
         ref_logprobs = torch.cat([response_logprobs(ref_theta, RESPONSES[i])[0] for i in group])
-        return rewards - beta * torch.where(mask, logprobs - ref_logprobs, 0.0).sum(dim=1)
+        return rloo.compute_kl_rewards(rewards, logprobs, ref_logprobs, mask, rloo.Args(beta=beta))
 
     assert torch.allclose(expected_gradient(rloo, 2, shape), true_gradient(beta, ref_theta), atol=1e-5)
 
 
-# --- token weights (§11.4) -------------------------------------------------------------------------------------------
+def test_rloo_kl_shaped_reward_sums_k1_over_valid_tokens_only():
+    """R - beta * sum_t (log pi_old - log pi_ref): (1 - 0.5 * (0.5 - 1.0), 0 - 0.5 * (0.1 + 0.2 + 0.3)); padding ignored."""
+    old = torch.tensor([[-1.0, -2.0, 50.0], [-0.1, -0.2, -0.3]])
+    ref = torch.tensor([[-1.5, -1.0, -50.0], [-0.2, -0.4, -0.6]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    shaped = rloo.compute_kl_rewards(torch.tensor([1.0, 0.0]), old, ref, mask, rloo.Args(beta=0.5))
+    assert torch.allclose(shaped, torch.tensor([1.25, -0.3]))
+    assert torch.equal(
+        rloo.compute_kl_rewards(torch.tensor([1.0, 0.0]), None, None, mask, rloo.Args(beta=0.0)), torch.tensor([1.0, 0.0])
+    )
+
+
+# --- token weights (Dr. GRPO §3.1, DAPO §3.3) --------------------------------------------------------------------------------
 
 
 def token_gradients(module, args, **kwargs):
@@ -190,7 +208,7 @@ def test_gspo_sequence_ratio_is_the_geometric_mean_not_the_sequence_ratio():
     _, m = gspo.compute_loss(logprobs, old, None, torch.tensor([1.0]), ones(1, 1000), gspo.Args())
     w = torch.exp((logprobs - old).sum()).item()
     assert w == pytest.approx(1.01**1000, rel=1e-3) and 2.0e4 < w < 2.2e4
-    assert m["train/ratio_mean"].item() == pytest.approx(1.01, rel=1e-5)
+    assert m["train/ratio_mean"].mean().item() == pytest.approx(1.01, rel=1e-5)
 
 
 def test_gspo_clipped_response_has_zero_gradient_on_every_token():
@@ -249,12 +267,16 @@ def test_dynamic_sampling_never_keeps_a_zero_variance_group():
 
 @pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo])
 def test_micro_batches_leave_the_gradient_unchanged(module):
-    import common
-
     model, input_ids, attention_mask, mask = tiny_model(batch=6, seed=1)
     advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.0)
+    # log pi - log pi_old per response: GSPO clips responses 0 (A > 0) and 5 (A < 0) as a whole, and not 1, 2 and 4
+    offsets = torch.tensor([0.01, 1e-4, 1e-4, 0.01, 0.0, -0.01])[:, None]
     with torch.no_grad():
-        old = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0] - 0.01
+        old = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0] - offsets
+        _, m = module.compute_loss(old + offsets, old, None, advantages, mask, args)
+    clip_high = common.aggregate([m])["train/clip_frac_high"].item()
+    if module is gspo:  # positive advantages both clipped (response 0) and not (responses 2 and 4)
+        assert clip_high == pytest.approx(mask[0].sum().item() / mask.sum().item())
     normaliser = {"num_tokens": mask.sum()} if module is dapo else {"num_responses": 6}
 
     def gradient(micro):
@@ -269,3 +291,37 @@ def test_micro_batches_leave_the_gradient_unchanged(module):
     assert whole.abs().sum() > 0
     for micro in (2, 3):
         assert torch.allclose(gradient(micro), whole, atol=1e-7, rtol=1e-5)
+
+
+# --- numerics at masked positions ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo, ppo])
+def test_a_150_nat_gap_at_a_masked_position_leaves_the_gradient_finite(module):
+    """Padding after EOS can hold any log-prob. exp(150) overflows float32, and 0 * inf = NaN would flow back through
+    the mask: the log-ratios (to pi_old, and k3's to pi_ref) must be masked before exp."""
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    logprobs = torch.tensor([[-1.0, -2.0, -150.0], [-0.5, -1.0, -1.5]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, -300.0], [-0.4, -1.2, -1.4]])  # logprobs - old = +150 on the padding
+    ref = torch.tensor([[-1.0, -2.1, 0.0], [-0.6, -1.0, -1.6]])  # ref - logprobs = +150 on the padding
+    for advantages in (torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0])):
+        logprobs.grad = None
+        if module is ppo:
+            loss, metrics = ppo.compute_policy_loss(logprobs, old, advantages[:, None].expand(2, 3), mask, ppo.Args())
+        else:
+            loss, metrics = module.compute_loss(logprobs, old, ref, advantages, mask, module.Args(beta=0.1))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all(), module.__name__
+        assert logprobs.grad[0, 2] == 0 and (logprobs.grad[0, :2] != 0).all()
+        assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
+
+
+def test_gspo_logs_the_token_level_kl_to_the_old_policy():
+    """Token log-ratios +0.3 and -0.3 give q = 1, yet the policy has moved: k3 per token averages 0.045, as in GRPO."""
+    old = torch.zeros(1, 2)
+    logprobs = torch.tensor([[0.3, -0.3]])
+    expected = ((math.exp(0.3) - 1 - 0.3) + (math.exp(-0.3) - 1 + 0.3)) / 2
+    for module in (gspo, grpo):
+        _, m = module.compute_loss(logprobs, old, None, torch.ones(1), ones(1, 2), module.Args(beta=0.0))
+        assert common.aggregate([m])["kl/old_approx"].item() == pytest.approx(expected, rel=1e-5), module.__name__
+    assert expected == pytest.approx(0.0453, abs=1e-4)

@@ -23,7 +23,7 @@ SMALL = ["--total-steps", "2", "--num-prompts", "4", "--group-size", "4", "--eva
 def model_dir(tmp_path_factory):
     """A tiny model after a few warm-up steps (the real warm-up runs far longer; this only has to run)."""
     path = str(tmp_path_factory.mktemp("warm") / "model")
-    sft.warm_up(sft.Args(output_dir=path, max_steps=30, target_accuracy=2.0, device="cpu"))
+    sft.warm_up(sft.Args(output_dir=path, max_steps=30, target_accuracy=2.0, num_check=100, device="cpu"))
     return path
 
 
@@ -40,6 +40,13 @@ def run_here(monkeypatch, script, *flags):
     runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
 
 
+def coin_flip_rewards(monkeypatch, p=0.3, seed=0):
+    """Replace the verifier by seeded coin flips that are correct with probability p: the briefly warmed-up test model
+    answers nothing right, and DAPO's dynamic sampling needs groups whose answers are neither all right nor all wrong."""
+    generator = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: (torch.rand(len(c), generator=generator) < p).float())
+
+
 def rows(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -52,7 +59,6 @@ def rows(output_dir):
         ("rloo.py", ["kl/ref", "train/clip_frac_high"]),
         ("dr_grpo.py", ["train/ratio_max"]),
         ("gspo.py", ["train/clip_frac_low"]),
-        ("dapo.py", ["rollout/prompts_sampled", "rollout/groups_kept_frac", "rollout/sampling_rounds"]),
         ("ppo.py", ["loss/value", "train/explained_variance", "train/advantage_std", "kl/ref", "rollout/kl_penalty"]),
     ],
 )
@@ -102,11 +108,23 @@ def test_later_minibatches_are_off_policy(model_dir, tmp_path, monkeypatch):
     assert step["train/ratio_max"] > 1.0001 and step["train/ratio_min"] < 0.9999 and step["kl/old_approx"] > 0
 
 
+def test_dapo_end_to_end(model_dir, tmp_path, monkeypatch):
+    """DAPO needs groups with mixed scores, which the briefly warmed-up model never produces: it runs in this process,
+    with coin-flip rewards, through the same command line."""
+    coin_flip_rewards(monkeypatch)
+    run_here(monkeypatch, "dapo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
+    logged = rows(tmp_path)
+    assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
+    for key in ("rollout/prompts_sampled", "rollout/groups_kept_frac", "rollout/sampling_rounds", "train/clip_frac_high"):
+        assert key in logged[-1], key
+    assert os.path.isfile(os.path.join(tmp_path, "model", "config.json"))
+
+
 def test_dapo_fills_its_batch_over_several_rounds(model_dir, tmp_path, monkeypatch):
-    """Every answer scores 0, so only the overlong penalty separates responses: many groups have equal rewards and are
-    dropped, the batch is assembled from several rounds (of different completion widths), and with --mask-truncated
-    some minibatches hold no valid token at all."""
-    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.zeros(len(c)))
+    """Answers are right with probability 0.2, so many groups of 4 are all wrong and dropped: the batch is assembled
+    from several rounds (of different completion widths), and with --mask-truncated some minibatches hold no valid
+    token at all."""
+    coin_flip_rewards(monkeypatch, p=0.2)
     flags = ["--model-name-or-path", model_dir, "--mask-truncated", "--micro-batch-size", "4", "--temperature", "0.7"]
     run_here(monkeypatch, "dapo.py", *flags, "--output-dir", str(tmp_path), *SMALL)
     logged = rows(tmp_path)
@@ -125,6 +143,44 @@ def test_dapo_dynamic_sampling_stops_at_its_cap(model_dir, tmp_path, monkeypatch
     flags = ["--model-name-or-path", model_dir, "--temperature", "0.001", "--max-sampling-rounds", "2"]
     with pytest.raises(SystemExit, match="step 1: dynamic sampling kept only 0 of 4 groups .*--max-sampling-rounds"):
         run_here(monkeypatch, "dapo.py", *flags, "--output-dir", str(tmp_path), *SMALL)
+
+
+def test_dapo_filters_groups_on_accuracy_not_on_the_overlong_penalty(model_dir, tmp_path, monkeypatch):
+    """Every answer is correct, so every group is all correct: DAPO's eq. 11 keeps none of them, even where the overlong
+    penalty (max_new_tokens 4, buffer 3: any answer of 2 tokens or more loses some reward) makes the rewards differ."""
+    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.ones(len(c)))
+    flags = [
+        "--model-name-or-path",
+        model_dir,
+        "--max-new-tokens",
+        "4",
+        "--overlong-buffer",
+        "3",
+        "--max-sampling-rounds",
+        "2",
+    ]
+    with pytest.raises(SystemExit, match="step 1: dynamic sampling kept only 0 of 4 groups"):
+        run_here(monkeypatch, "dapo.py", *flags, "--output-dir", str(tmp_path), *SMALL)
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "gspo.py", "dapo.py", "ppo.py"])
+def test_logged_metrics_do_not_depend_on_the_micro_batch_size(model_dir, tmp_path, monkeypatch, script):
+    """The first step, whole minibatches against micro-batches of 3 responses (of different token counts): the same
+    rollout, the same update up to float rounding, so every logged training metric agrees. PPO also early-stops on the
+    minibatch's KL: 6e-3 lies between the second minibatch's token-weighted KL here (5.7e-3) and its last micro-batch's
+    (6.5e-3), so a check of the last micro-batch alone would stop one minibatch earlier with micro-batches."""
+    flags = ["--model-name-or-path", model_dir, *SMALL, "--total-steps", "1", "--num-prompts", "6", "--num-minibatches", "2"]
+    flags += ["--target-kl", "6e-3"] if script == "ppo.py" else []
+    logged = []
+    for micro in ("0", "3"):
+        coin_flip_rewards(monkeypatch, p=0.5)  # the same rewards in both runs
+        out = str(tmp_path / micro)
+        run_here(monkeypatch, script, *flags, "--micro-batch-size", micro, "--output-dir", out)
+        logged.append({k: v for k, v in rows(out)[1].items() if k.split("/")[0] in ("train", "loss", "kl")})
+    assert logged[0].keys() == logged[1].keys() and "kl/old_approx" in logged[0]
+    assert logged[0].get("train/early_stopped", 1.0) == 1.0  # PPO did stop early
+    for key, value in logged[0].items():
+        assert logged[1][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize(
