@@ -84,10 +84,7 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    if args.task not in common.TASKS:
-        raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(common.TASKS)}")
-    common.check_model_path(args.model_name_or_path)
-    common.get_device(args.device)
+    common.check_shared_args(args)
     if args.beta <= 0 or args.learning_rate <= 0:
         raise SystemExit(f"--beta {args.beta} and --learning-rate {args.learning_rate}: must be positive")
     for flag in ("total_steps", "batch_size", "num_pair_prompts", "group_size", "max_new_tokens", "eval_every"):
@@ -112,15 +109,16 @@ def compute_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     chosen_rewards = args.beta * (chosen_logps - ref_chosen_logps)  # (N,) implicit rewards beta * log(pi / pi_ref)
     rejected_rewards = args.beta * (rejected_logps - ref_rejected_logps)
     margins = chosen_rewards - rejected_rewards  # beta * Delta
-    loss = -F.logsigmoid(margins).mean()
-    with torch.no_grad():
+    losses = -F.logsigmoid(margins)  # (N,)
+    with torch.no_grad():  # one sample per pair, pooled over micro-batches by common.aggregate
         metrics = {
-            "loss/dpo": loss,
-            "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/margins": margins.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),  # strict: ties count as wrong
+            "loss/dpo": losses,
+            "rewards/chosen": chosen_rewards,
+            "rewards/rejected": rejected_rewards,
+            "rewards/margins": margins,
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),  # strict: ties count as wrong
         }
+    loss = losses.mean()
     return loss, metrics
 
 
@@ -186,15 +184,24 @@ def load_pairs(args):
 
 
 def tokenize_pairs(tokenizer, pairs, device):
-    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS."""
+    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS: a dict of (N, L)
+    tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, pairs["prompt"], device)
-    out = [prompt_ids, prompt_mask]
+    data = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
     for key in ("chosen", "rejected"):
         ids = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for text in pairs[key]]
         width = max(len(i) for i in ids)
-        out.append(torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device))
-        out.append(torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device))
-    return out  # prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask
+        data[f"{key}_ids"] = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
+        data[f"{key}_mask"] = torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device)
+    return data
+
+
+def pair_logps(model, data, idx):
+    """Sequence log-probs (b,) of the chosen and of the rejected completions of the pairs `idx` of tokenize_pairs' dict."""
+    prompt = (data["prompt_ids"][idx], data["prompt_mask"][idx])
+    chosen_logps = sequence_logps(model, *prompt, data["chosen_ids"][idx], data["chosen_mask"][idx])
+    rejected_logps = sequence_logps(model, *prompt, data["rejected_ids"][idx], data["rejected_mask"][idx])
+    return chosen_logps, rejected_logps
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -238,8 +245,7 @@ if __name__ == "__main__":
     data = tokenize_pairs(tokenizer, pairs[:], device)
     with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
         chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
-        ref_chosen_logps = torch.cat([sequence_logps(policy, *[data[k][i] for k in (0, 1, 2, 3)]) for i in chunks])
-        ref_rejected_logps = torch.cat([sequence_logps(policy, *[data[k][i] for k in (0, 1, 4, 5)]) for i in chunks])
+        ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
@@ -265,9 +271,7 @@ if __name__ == "__main__":
         optimizer.zero_grad()
         train_metrics = []
         for idx in mb_idx.split(args.micro_batch_size):
-            prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask = [x[idx] for x in data]
-            chosen_logps = sequence_logps(policy, prompt_ids, prompt_mask, chosen_ids, chosen_mask)  # (b,)
-            rejected_logps = sequence_logps(policy, prompt_ids, prompt_mask, rejected_ids, rejected_mask)  # (b,)
+            chosen_logps, rejected_logps = pair_logps(policy, data, idx)  # (b,) each
             loss, metrics = compute_loss(chosen_logps, rejected_logps, ref_chosen_logps[idx], ref_rejected_logps[idx], args)
             loss = loss * len(idx) / len(mb_idx)  # micro-batches add up to the batch's mean
             common.check_finite(loss, "loss", step)

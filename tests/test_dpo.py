@@ -1,4 +1,4 @@
-"""dpo.py against §12 of the notes (Rafailov et al. 2023): the loss, its gradient, the KL-regularised optimum."""
+"""dpo.py against DPO (Rafailov et al. 2023, §4-5): the loss, its gradient, the KL-regularised optimum."""
 
 import math
 
@@ -20,13 +20,13 @@ def test_loss_value_and_metrics():
     loss, m = dpo.compute_loss(chosen, rejected, ref_chosen, ref_rejected, args(beta=0.5))
     z = 0.5 * torch.tensor([(0.5) - (-1.0), (0.0) - (1.0)])  # beta * Delta per pair: (0.75, -0.5)
     assert loss.item() == pytest.approx(-torch.log(torch.sigmoid(z)).mean().item(), abs=1e-6)
-    assert m["rewards/chosen"].item() == pytest.approx(0.5 * (0.5 + 0.0) / 2)
-    assert m["rewards/rejected"].item() == pytest.approx(0.5 * (-1.0 + 1.0) / 2)
-    assert m["rewards/margins"].item() == pytest.approx(z.mean().item())
-    assert m["rewards/accuracies"].item() == 0.5
+    assert m["rewards/chosen"].mean().item() == pytest.approx(0.5 * (0.5 + 0.0) / 2)
+    assert m["rewards/rejected"].mean().item() == pytest.approx(0.5 * (-1.0 + 1.0) / 2)
+    assert m["rewards/margins"].mean().item() == pytest.approx(z.mean().item())
+    assert m["rewards/accuracies"].mean().item() == 0.5
     same = torch.zeros(1)
     loss, m = dpo.compute_loss(same, same, same, same, args())
-    assert loss.item() == pytest.approx(math.log(2)) and m["rewards/accuracies"].item() == 0.0  # a tie is not a win
+    assert loss.item() == pytest.approx(math.log(2)) and m["rewards/accuracies"].mean().item() == 0.0  # a tie is not a win
 
 
 def test_gradient_is_minus_beta_sigmoid_minus_z_times_the_score_difference():
@@ -43,7 +43,7 @@ def test_gradient_is_minus_beta_sigmoid_minus_z_times_the_score_difference():
 
 
 def test_the_kl_regularised_optimum_and_its_implied_rewards():
-    """§12.1-12.2 on five outcomes: p* = q exp(R / beta) / Z maximises E_p[R] - beta KL(p || q), and the DPO margin
+    """DPO §4 on five outcomes: p* = q exp(R / beta) / Z maximises E_p[R] - beta KL(p || q), and the DPO margin
     of pi = p* against pi_ref = q recovers the reward difference of any pair."""
     beta = 0.5
     q = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
@@ -60,7 +60,7 @@ def test_the_kl_regularised_optimum_and_its_implied_rewards():
         for lose in range(5):
             logps = p_star.log()[[win]], p_star.log()[[lose]], q.log()[[win]], q.log()[[lose]]
             _, m = dpo.compute_loss(*logps, args(beta=beta))
-            assert m["rewards/margins"].item() == pytest.approx((rewards[win] - rewards[lose]).item(), abs=1e-5)
+            assert m["rewards/margins"].mean().item() == pytest.approx((rewards[win] - rewards[lose]).item(), abs=1e-5)
 
 
 def test_sequence_logps_are_sums_over_completion_tokens_only():
@@ -88,7 +88,7 @@ def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypa
     for row in pairs:
         assert len(row["chosen"]) % 2 == 0 and len(row["rejected"]) % 2 == 1
     data = dpo.tokenize_pairs(tokenizer, pairs[:4], torch.device("cpu"))
-    chosen_ids, chosen_mask = data[2], data[3]
+    chosen_ids, chosen_mask = data["chosen_ids"], data["chosen_mask"]
     for ids, mask, text in zip(chosen_ids, chosen_mask, pairs[:4]["chosen"]):
         assert ids[mask].tolist() == tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
 
