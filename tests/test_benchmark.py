@@ -36,13 +36,15 @@ def test_summary_table_statistics():
     assert a[0] == "a" and b[0] == "b"
     assert a[1] == "0.600 ± 0.100 (0.500-0.700)"  # start: mean, population std, range over seeds
     assert a[2] == "0.900 ± 0.100 (0.800-1.000)"
-    assert a[3] == "2.0 (2.0-2.0)"  # minutes at the last row: mean (range)
-    assert a[4] == "not reached"  # one seed never reaches 90%
-    assert a[5] == "0.75"  # median of all step times (0.5, 1.0, 0.5, 1.0)
-    assert a[6] == "200"
+    assert a[3] == "-"  # no whole-command time recorded for these runs
+    assert a[4] == "2.0 (2.0-2.0)"  # training minutes at the last row: mean (range)
+    assert a[5] == "not reached"  # one seed never reaches 90%
+    assert a[6] == "0.75"  # median of all step times (0.5, 1.0, 0.5, 1.0)
+    assert a[7] == "200"
     results = {"a": [run([0.5, 0.9, 1.0]), run([0.5, 0.5, 0.95], minutes_per_eval=2.0)]}
+    results["a"][0][0]["time/command"], results["a"][1][0]["time/command"] = 150.0, 300.0
     a = [c.strip() for c in benchmark.summary_table(results).splitlines()[2].strip("|").split("|")]
-    assert a[3] == "3.0 (2.0-4.0)" and a[4] == "2.5 (1.0-4.0)"
+    assert a[3] == "3.8 (2.5-5.0)" and a[4] == "3.0 (2.0-4.0)" and a[5] == "2.5 (1.0-4.0)"
 
 
 def test_zero_variance_fraction():
