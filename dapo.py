@@ -207,7 +207,7 @@ if __name__ == "__main__":
         # Rollout: G responses per prompt from the frozen behaviour policy pi_old
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
-        # DAPO: dynamic sampling (§3.2), rounds of num_prompts prompts until num_prompts groups with unequal rewards
+        # DAPO: dynamic sampling (§3.2), rounds of num_prompts prompts until num_prompts groups with unequal scores
         rounds, all_scores = [], []
         for _ in range(args.max_sampling_rounds):
             batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
@@ -228,7 +228,7 @@ if __name__ == "__main__":
         else:
             num_kept = sum(len(r[0]) for r in rounds) // args.group_size
             raise SystemExit(
-                f"step {step}: dynamic sampling kept only {num_kept} of {args.num_prompts} groups with unequal rewards in "
+                f"step {step}: dynamic sampling kept only {num_kept} of {args.num_prompts} groups with unequal scores in "
                 f"{args.max_sampling_rounds} rounds (--max-sampling-rounds); the task is too easy or too hard for the policy"
             )
         columns = dict(zip(["prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "rewards"], zip(*rounds)))

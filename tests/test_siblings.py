@@ -248,18 +248,15 @@ def test_soft_overlong_punishment_has_three_regions():
     assert torch.allclose(dapo.compute_overlong_penalty(lengths, args), expected)
 
 
-def test_dynamic_sampling_never_keeps_a_zero_variance_group():
+def test_dynamic_sampling_keeps_exactly_the_groups_with_mixed_scores():
+    """DAPO eq. 11: a group is kept when its verifier scores are neither all correct nor all wrong."""
     torch.manual_seed(0)
     for _ in range(20):
-        rewards = (torch.rand(64) > torch.rand(1)).float() + dapo.compute_overlong_penalty(
-            torch.randint(1, 9, (64,)), dapo.Args()
-        )
-        rewards[:8] = 1.0  # one group is all correct for sure
-        keep = dapo.filter_groups(rewards, 8)
-        assert not keep[0]
-        kept = rewards.view(-1, 8)[keep]
-        assert (kept.std(dim=1) > 0).all()
-        assert ((rewards.view(-1, 8).std(dim=1) > 0) == keep).all()
+        scores = (torch.rand(64) > torch.rand(1)).float()
+        scores[:8], scores[8:16] = 1.0, 0.0  # one group all correct, one all wrong, for sure
+        keep = dapo.filter_groups(scores, 8)
+        assert not keep[0] and not keep[1]
+        assert ((scores.view(-1, 8).std(dim=1) > 0) == keep).all()
 
 
 # --- micro-batching --------------------------------------------------------------------------------------------------

@@ -72,6 +72,28 @@ def test_end_to_end_through_the_command_line(model_dir, tmp_path, script, keys):
     assert os.path.isfile(os.path.join(tmp_path, "model", "config.json"))
 
 
+def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):
+    """sft.greedy_accuracy (one teacher-forced pass) against common.evaluate (token-by-token greedy decoding): problems
+    whose answer is set to the model's own greedy output count as correct, those whose answer is altered do not."""
+    import datasets
+
+    model, tokenizer = common.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
+    task = common.make_task("addition")
+    prompts = task.train[:300]["prompt"]
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, torch.device("cpu"))
+    ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 8, temperature=0.0)
+    texts = common.decode(tokenizer, ids, mask, truncated)
+    rows = [(p, t) for p, t, cut in zip(prompts, texts, truncated.tolist()) if not cut and t and " " not in t]
+    assert len(rows) >= 20, "the test model should end some answers"
+    answers = [t if i % 3 else t + "7" for i, (_, t) in enumerate(rows)]  # every third answer made wrong
+    data = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": answers})
+    expected = sum(1 for i in range(len(rows)) if i % 3) / len(rows)
+    assert sft.greedy_accuracy(model, tokenizer, data) == pytest.approx(expected)
+    assert common.evaluate(model, tokenizer, common.Task("check", data, data, common._addition_answer), 8)[
+        "eval/accuracy"
+    ] == pytest.approx(expected)
+
+
 def test_dpo_end_to_end_through_the_command_line(model_dir, tmp_path):
     pairs = [
         {"prompt": f"{a:02d}+{b:02d}=", "chosen": str(a + b)[::-1], "rejected": str(a + b + 1)[::-1]}
@@ -148,29 +170,37 @@ def test_dapo_dynamic_sampling_stops_at_its_cap(model_dir, tmp_path, monkeypatch
 def test_dapo_filters_groups_on_accuracy_not_on_the_overlong_penalty(model_dir, tmp_path, monkeypatch):
     """Every answer is correct, so every group is all correct: DAPO's eq. 11 keeps none of them, even where the overlong
     penalty (max_new_tokens 4, buffer 3: any answer of 2 tokens or more loses some reward) makes the rewards differ."""
-    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.ones(len(c)))
-    flags = [
-        "--model-name-or-path",
-        model_dir,
-        "--max-new-tokens",
-        "4",
-        "--overlong-buffer",
-        "3",
-        "--max-sampling-rounds",
-        "2",
-    ]
+    lengths = []  # characters of each scored answer, in the order scored
+
+    def all_correct(self, completions, answers):
+        lengths.extend(len(c) for c in completions)
+        return torch.ones(len(completions))
+
+    monkeypatch.setattr(common.Task, "reward", all_correct)
+    flags = ["--max-new-tokens", "4", "--overlong-buffer", "3", "--max-sampling-rounds", "2", "--output-dir", str(tmp_path)]
     with pytest.raises(SystemExit, match="step 1: dynamic sampling kept only 0 of 4 groups"):
-        run_here(monkeypatch, "dapo.py", *flags, "--output-dir", str(tmp_path), *SMALL)
+        run_here(monkeypatch, "dapo.py", "--model-name-or-path", model_dir, *flags, *SMALL)
+    sampled = torch.tensor(lengths[-32:]).view(-1, 4)  # the two rounds of step 1, groups of 4 (after the evaluation)
+    assert (sampled.min(dim=1).values < sampled.max(dim=1).values).any()  # some group's penalties did differ
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "gspo.py", "dapo.py", "ppo.py"])
 def test_logged_metrics_do_not_depend_on_the_micro_batch_size(model_dir, tmp_path, monkeypatch, script):
     """The first step, whole minibatches against micro-batches of 3 responses (of different token counts): the same
     rollout, the same update up to float rounding, so every logged training metric agrees. PPO also early-stops on the
-    minibatch's KL: 6e-3 lies between the second minibatch's token-weighted KL here (5.7e-3) and its last micro-batch's
-    (6.5e-3), so a check of the last micro-batch alone would stop one minibatch earlier with micro-batches."""
+    minibatch's KL, here with a threshold between the second minibatch's token-weighted KL and its last micro-batch's
+    (read off a first run), so that a check of the last micro-batch alone would decide differently with micro-batches."""
     flags = ["--model-name-or-path", model_dir, *SMALL, "--total-steps", "1", "--num-prompts", "6", "--num-minibatches", "2"]
-    flags += ["--target-kl", "6e-3"] if script == "ppo.py" else []
+    if script == "ppo.py":
+        calls, aggregate = [], common.aggregate
+        monkeypatch.setattr(common, "aggregate", lambda rows: calls.append(rows) or aggregate(rows))
+        coin_flip_rewards(monkeypatch, p=0.5)
+        run_here(monkeypatch, script, *flags, "--micro-batch-size", "3", "--output-dir", str(tmp_path / "probe"))
+        monkeypatch.setattr(common, "aggregate", aggregate)
+        second = calls[1]  # the 4 micro-batch rows of the second minibatch (the first is on-policy: KL 0)
+        whole, last = aggregate(second)["kl/old_approx"].item(), second[-1]["kl/old_approx"].mean().item()
+        assert len(second) == 4 and abs(whole - last) > 0.05 * whole > 0
+        flags += ["--target-kl", str((whole + last) / 2)]
     logged = []
     for micro in ("0", "3"):
         coin_flip_rewards(monkeypatch, p=0.5)  # the same rewards in both runs
