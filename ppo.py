@@ -50,7 +50,7 @@ class Args:
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
 
     # Algorithm specific arguments
-    total_steps: int = 100
+    total_steps: int = 60
     """rollout-and-update steps"""
     num_prompts: int = 256
     """prompts per rollout"""
