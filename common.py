@@ -279,7 +279,9 @@ def load_error_message(name: str, path: str, error: Exception) -> str:
     """One line that names the flag (or the cache folder) and the likely fix."""
     reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
     if name == "builtin":
-        return f"the cached built-in model in {path} cannot be loaded ({reason}); delete that folder and run again to rebuild it"
+        return (
+            f"the cached built-in model in {path} cannot be loaded ({reason}); delete that folder and run again to rebuild it"
+        )
     if os.path.isdir(path):
         return f"--model-name-or-path {name!r}: cannot load a model and its tokenizer from this folder ({reason})"
     return (

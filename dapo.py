@@ -95,7 +95,7 @@ def check_args(args: Args) -> None:
     common.check_common_args(args)
     common.check_flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     for flag in ("clip_eps_low", "clip_eps_high"):
-        common.check_flag(args, flag, "must be in (0, 1): the ratio is clipped to [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
+        common.check_flag(args, flag, "must be in (0, 1): the clip range is [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
     if not 1 <= args.overlong_buffer <= args.max_new_tokens or args.max_sampling_rounds < 1:
         raise SystemExit("--overlong-buffer must be in [1, --max-new-tokens] and --max-sampling-rounds at least 1")
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:

@@ -180,7 +180,7 @@ def load_pairs(args):
             ds = datasets.load_dataset("json", data_files=args.dataset, split="train")
         else:
             ds = datasets.load_dataset(args.dataset, split="train")
-    except (OSError, ValueError) as e:  # not a saved data set, unreadable JSON, or a hub id that cannot be reached
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
         raise SystemExit(f"--dataset {args.dataset!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
     missing = {"prompt", "chosen", "rejected"} - set(ds.column_names)
     if missing:

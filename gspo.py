@@ -86,7 +86,7 @@ def check_args(args: Args) -> None:
     common.check_common_args(args)
     common.check_flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     for flag in ("clip_eps_low", "clip_eps_high"):
-        common.check_flag(args, flag, "must be in (0, 1): the ratio is clipped to [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
+        common.check_flag(args, flag, "must be in (0, 1): the clip range is [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "

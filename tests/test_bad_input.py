@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from test_smoke import ROOT, run_here
 
 import common
 import dapo
@@ -17,7 +18,6 @@ import gspo
 import ppo
 import rloo
 import sft
-from test_smoke import ROOT, run_here
 
 RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo]
 NAN, INF = float("nan"), float("inf")
@@ -114,7 +114,11 @@ def test_the_defaults_pass_and_the_output_folder_is_created(module, tmp_path):
 def test_an_output_folder_that_cannot_be_created_is_refused(module, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder is needed")
-    refused(module, f"--output-dir {str(blocker / 'run')!r}: cannot create or write to this folder", output_dir=str(blocker / "run"))
+    refused(
+        module,
+        f"--output-dir {str(blocker / 'run')!r}: cannot create or write to this folder",
+        output_dir=str(blocker / "run"),
+    )
 
 
 def test_a_cache_folder_that_cannot_be_created_is_refused_when_a_warm_up_is_due(tmp_path):
@@ -140,7 +144,9 @@ def test_a_folder_without_a_tokenizer_is_one_line_naming_the_flag(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         common.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
     line = str(exit_info.value.code)
-    assert line.startswith(f"--model-name-or-path {str(tmp_path)!r}: cannot load a model and its tokenizer") and "\n" not in line
+    assert (
+        line.startswith(f"--model-name-or-path {str(tmp_path)!r}: cannot load a model and its tokenizer") and "\n" not in line
+    )
 
 
 def test_a_damaged_built_in_cache_names_the_folder_to_delete(tmp_path):
@@ -162,13 +168,21 @@ def test_an_unreadable_preference_file_names_the_flag(tmp_path, monkeypatch, mod
     bad = tmp_path / "pairs.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2"\nnot json at all\n')
     with pytest.raises(SystemExit) as exit_info:
-        run_here(monkeypatch, "dpo.py", "--model-name-or-path", model_dir, "--dataset", str(bad), "--output-dir", str(tmp_path))
+        run_here(
+            monkeypatch, "dpo.py", "--model-name-or-path", model_dir, "--dataset", str(bad), "--output-dir", str(tmp_path)
+        )
     assert str(exit_info.value.code).startswith(f"--dataset {str(bad)!r}: cannot be loaded")
 
 
 def offline(tmp_path, script, *flags):
     """The script's command line in a fresh process with the hub forced offline and empty Hugging Face caches."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TQDM_DISABLE": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "TQDM_DISABLE": "1",
+    }
     flags = [*flags, "--output-dir", str(tmp_path / "out"), "--device", "cpu"]
     return subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
 
