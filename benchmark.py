@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import tyro
 
+import common
+
 ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo"]
 
 
@@ -175,8 +177,11 @@ if __name__ == "__main__":
             args.runs_dir + "-quick",
             os.path.join(args.docs_dir, "quick"),
         )
+    if not args.seeds:
+        raise SystemExit("--seeds: give at least one seed")
+    for flag, path in (("--runs-dir", args.runs_dir), ("--docs-dir", args.docs_dir)):  # before an hour of runs
+        common.check_writable_dir(flag, path)
     results = zero_variance_fraction(run_all(args))
-    os.makedirs(args.docs_dir, exist_ok=True)
     d = args.docs_dir
     plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_time.png")
     plot(

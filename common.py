@@ -4,9 +4,11 @@ sampling, evaluation and metrics logging. No advantage estimator and no loss liv
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import re
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -113,7 +115,13 @@ def make_gsm8k_task(num_eval: int = 500) -> Task:
     import datasets
 
     def convert(split):
-        ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+        try:
+            ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+        except OSError as e:  # offline without a cached copy: ConnectionError, or DatasetNotFoundError in offline mode
+            raise SystemExit(
+                f"--task gsm8k: openai/gsm8k is not in the local datasets cache and the hub cannot be reached "
+                f"({type(e).__name__}); run once with internet, or use --task addition (built in)"
+            ) from None
         return ds.map(
             lambda x: {"prompt": f"Question: {x['question']}\nAnswer:", "answer": x["answer"].split("####")[-1].strip()},
             remove_columns=ds.column_names,
@@ -185,7 +193,10 @@ def builtin_model_dir(cache_dir: str) -> str:
     import sft
 
     recipe_parts = (
-        sft,
+        sft.Args,
+        sft.encode,
+        sft.greedy_accuracy,
+        sft.warm_up,
         make_addition_task,
         split_by_key,
         addition_operands,
@@ -208,6 +219,8 @@ def check_model_path(name: str) -> None:
     """Fail fast on a model path that cannot exist, before any expensive work."""
     if name != "builtin" and not os.path.isdir(name) and (not looks_like_hub_id(name) or os.path.exists(name)):
         raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise SystemExit(f"--model-name-or-path {name!r}: no config.json in this folder (save a model with save_pretrained)")
 
 
 def resolve_model_path(name: str, cache_dir: str) -> str:
@@ -232,11 +245,49 @@ def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    load = lambda **kw: (  # noqa: E731
+        AutoTokenizer.from_pretrained(path, padding_side="left", **kw),
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw),
+    )
+    try:
+        if name == "builtin" or os.path.isdir(path):
+            tokenizer, model = load()
+        else:  # a hub id: the local Hugging Face cache first, so that a cached model loads offline at once
+            try:
+                tokenizer, model = load(local_files_only=True)
+            except OSError:
+                tokenizer, model = load()
+    except LOAD_ERRORS as e:
+        raise SystemExit(load_error_message(name, path, e)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    return model, tokenizer
+    return model.to(device), tokenizer
+
+
+def _load_errors() -> tuple[type[Exception], ...]:
+    """What loading raises for a folder or hub id without a loadable model: missing files, an unreachable hub and
+    unknown repositories (OSError), a tokenizer that cannot be built (ValueError, ImportError), damaged weights."""
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, ImportError, SafetensorError
+
+
+LOAD_ERRORS = _load_errors()
+
+
+def load_error_message(name: str, path: str, error: Exception) -> str:
+    """One line that names the flag (or the cache folder) and the likely fix."""
+    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
+    if name == "builtin":
+        return (
+            f"the cached built-in model in {path} cannot be loaded ({reason}); delete that folder and run again to rebuild it"
+        )
+    if os.path.isdir(path):
+        return f"--model-name-or-path {name!r}: cannot load a model and its tokenizer from this folder ({reason})"
+    return (
+        f"--model-name-or-path {name!r}: not in the local Hugging Face cache, and downloading it failed ({reason}). "
+        "Without internet, pass a local folder saved with save_pretrained"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -419,6 +470,24 @@ def check_finite(value: torch.Tensor, what: str, step: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def check_flag(args, name: str, allowed: str, ok: Callable) -> None:
+    """Refuse --NAME unless ok(value) holds (a float must also be finite): one line naming the flag, the value and what
+    is allowed. NaN fails every comparison, so `ok` written as the allowed range refuses it too."""
+    value = getattr(args, name)
+    if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+        raise SystemExit(f"--{name.replace('_', '-')} {value}: {allowed}")
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """Create the folder (or find it) and make sure a file can be written there, before any expensive work."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{flag} {path!r}: cannot create or write to this folder ({e.strerror or e})") from None
+
+
 def check_shared_args(args) -> None:
     """Checks of the shared block of flags (task, model, device) that every script has."""
     if args.task not in TASKS:
@@ -427,14 +496,19 @@ def check_shared_args(args) -> None:
     get_device(args.device)
 
 
+def check_folders(args) -> None:
+    """The last check: the output folder is created (or found) writable, and so is the cache when a warm-up is due."""
+    check_writable_dir("--output-dir", args.output_dir)
+    if args.model_name_or_path == "builtin" and not os.path.isdir(builtin_model_dir(args.cache_dir)):
+        check_writable_dir("--cache-dir", cache_root(args.cache_dir))  # the warm-up will be cached there
+
+
 def check_common_args(args) -> None:
     """Checks of the flags every RL script shares."""
     check_shared_args(args)
-    for flag in ("temperature", "learning_rate"):
-        if not getattr(args, flag) > 0:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    for flag in ("temperature", "learning_rate", "max_grad_norm"):
+        check_flag(args, flag, "must be positive", lambda v: v > 0)
+    check_flag(args, "beta", "must be 0 (no KL penalty) or positive", lambda v: v >= 0)
     for flag in ("total_steps", "num_prompts", "num_minibatches", "num_epochs", "max_new_tokens", "eval_every"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
-    if args.micro_batch_size < 0:
-        raise SystemExit(f"--micro-batch-size {args.micro_batch_size}: must be 0 (whole minibatch) or positive")
+        check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    check_flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)

@@ -85,15 +85,17 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_shared_args(args)
-    if args.beta <= 0 or args.learning_rate <= 0:
-        raise SystemExit(f"--beta {args.beta} and --learning-rate {args.learning_rate}: must be positive")
-    for flag in ("total_steps", "batch_size", "num_pair_prompts", "group_size", "max_new_tokens", "eval_every"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    for flag in ("beta", "learning_rate", "max_grad_norm"):
+        common.check_flag(args, flag, "must be positive", lambda v: v > 0)
+    for flag in ("total_steps", "batch_size", "num_pair_prompts", "max_new_tokens", "eval_every"):
+        common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    common.check_flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
+    common.check_flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
     if args.batch_size % args.micro_batch_size:
         raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
     if args.dataset and not os.path.exists(args.dataset) and not common.looks_like_hub_id(args.dataset):
         raise SystemExit(f"--dataset {args.dataset!r}: no such file or folder, and not a hub id")
+    common.check_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -171,12 +173,15 @@ def load_pairs(args):
     """A user's preference dataset: a folder saved with datasets, a .json/.jsonl file, or a hub id."""
     import datasets
 
-    if os.path.isdir(args.dataset):
-        ds = datasets.load_from_disk(args.dataset)
-    elif args.dataset.endswith((".json", ".jsonl")):
-        ds = datasets.load_dataset("json", data_files=args.dataset, split="train")
-    else:
-        ds = datasets.load_dataset(args.dataset, split="train")
+    try:
+        if os.path.isdir(args.dataset):
+            ds = datasets.load_from_disk(args.dataset)
+        elif args.dataset.endswith((".json", ".jsonl")):
+            ds = datasets.load_dataset("json", data_files=args.dataset, split="train")
+        else:
+            ds = datasets.load_dataset(args.dataset, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
+        raise SystemExit(f"--dataset {args.dataset!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
     missing = {"prompt", "chosen", "rejected"} - set(ds.column_names)
     if missing:
         raise SystemExit(f"--dataset {args.dataset!r}: missing column(s) {', '.join(sorted(missing))}")

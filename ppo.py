@@ -99,17 +99,19 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_common_args(args)
-    if args.group_size < 1:
-        raise SystemExit(f"--group-size {args.group_size}: must be at least 1")
-    if args.clip_eps <= 0:
-        raise SystemExit(f"--clip-eps {args.clip_eps}: must be positive")
+    common.check_flag(args, "group_size", "must be at least 1", lambda v: v >= 1)
+    common.check_flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
             f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
         )
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise SystemExit(f"--gamma {args.gamma} and --lam {args.lam}: must be in [0, 1]")
+    for flag in ("gamma", "lam"):  # PPO: discount and GAE lambda
+        common.check_flag(args, flag, "must be in [0, 1]", lambda v: 0 <= v <= 1)
+    common.check_flag(args, "critic_learning_rate", "must be positive", lambda v: v > 0)  # PPO: the critic
+    for flag in ("value_clip_eps", "entropy_coef", "target_kl"):  # PPO: 0 turns each off
+        common.check_flag(args, flag, "must be 0 (off) or positive", lambda v: v >= 0)
+    common.check_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -84,15 +84,14 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_common_args(args)
-    if args.group_size < 2:
-        raise SystemExit(f"--group-size {args.group_size}: needs at least 2 responses per prompt to compare")
-    if args.clip_eps <= 0:
-        raise SystemExit(f"--clip-eps {args.clip_eps}: must be positive")
+    common.check_flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
+    common.check_flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
             f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
         )
+    common.check_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

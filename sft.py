@@ -55,6 +55,19 @@ class Args:
     """generation budget of the held-out evaluation at the end"""
 
 
+def check_args(args: Args) -> None:
+    """Fail fast with the flag's name, before any expensive work."""
+    common.get_device(args.device)
+    for flag in ("max_steps", "check_every", "num_check", "batch_size", "max_new_tokens"):
+        common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    common.check_flag(args, "num_check", "must leave problems to train on (at most 5000)", lambda v: v <= 5000)
+    common.check_flag(args, "learning_rate", "must be positive", lambda v: v > 0)
+    common.check_flag(args, "target_accuracy", "must be in (0, 1]", lambda v: 0 < v <= 1)
+    common.check_flag(args, "tolerance", "must be 0 or positive", lambda v: v >= 0)
+    common.check_flag(args, "approach_accuracy", "must be in [0, 1]", lambda v: 0 <= v <= 1)
+    common.check_writable_dir("--output-dir", args.output_dir)
+
+
 def encode(tokenizer, batch: dict, device: torch.device):
     """ "prompt + answer + EOS", left-padded: input_ids, attention_mask, position_ids and is_answer, all (B, L), where
     is_answer marks the answer's tokens and its EOS (the last answer_len positions of each row)."""
@@ -131,4 +144,6 @@ def warm_up(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    warm_up(tyro.cli(Args))
+    args = tyro.cli(Args)
+    check_args(args)
+    warm_up(args)

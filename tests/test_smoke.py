@@ -19,14 +19,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--total-steps", "2", "--num-prompts", "4", "--group-size", "4", "--eval-every", "1", "--device", "cpu"]
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    """A tiny model after a few warm-up steps (the real warm-up runs far longer; this only has to run)."""
-    path = str(tmp_path_factory.mktemp("warm") / "model")
-    sft.warm_up(sft.Args(output_dir=path, max_steps=30, check_every=30, target_accuracy=2.0, num_check=100, device="cpu"))
-    return path
-
-
 def run(script, *flags):
     """The script's command line, in a fresh process."""
     env = {**os.environ, "TQDM_DISABLE": "1"}

@@ -1,0 +1,227 @@
+"""Bad input fails fast: one line that names the flag (or the folder) and what is allowed, a non-zero exit status and
+no traceback, before any model or data is loaded. Nothing here touches the network: the hub is forced offline."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_smoke import ROOT, run_here
+
+import common
+import dapo
+import dpo
+import dr_grpo
+import grpo
+import gspo
+import ppo
+import rloo
+import sft
+
+RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo]
+NAN, INF = float("nan"), float("inf")
+
+
+def refused(module, message, **overrides):
+    """module.check_args on its defaults with `overrides` exits with one line that contains `message`."""
+    with pytest.raises(SystemExit) as exit_info:
+        module.check_args(module.Args(**overrides))
+    line = str(exit_info.value.code)
+    assert message in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize("module", RL_SCRIPTS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("beta", -0.1, "must be 0 (no KL penalty) or positive"),
+        ("beta", NAN, "must be 0 (no KL penalty) or positive"),
+        ("max_grad_norm", 0.0, "must be positive"),
+        ("learning_rate", INF, "must be positive"),
+        ("temperature", 0.0, "must be positive"),
+        ("total_steps", 0, "must be at least 1"),
+        ("max_new_tokens", -3, "must be at least 1"),
+        ("micro_batch_size", -8, "must be 0 (the whole minibatch) or positive"),
+    ],
+)
+def test_every_rl_script_refuses_shared_flags_out_of_range(module, flag, value, allowed):
+    refused(module, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
+
+
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("value", [1.5, 1.0, 0.0, -0.2, NAN])
+def test_clip_range_must_lie_in_0_1(module, value):
+    refused(module, f"--clip-eps {value}: must be in (0, 1)", clip_eps=value)
+
+
+@pytest.mark.parametrize("module", [dapo, gspo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("flag", ["clip_eps_low", "clip_eps_high"])
+def test_decoupled_clip_ranges_must_lie_in_0_1(module, flag):
+    refused(module, f"--{flag.replace('_', '-')} 1.0: must be in (0, 1)", **{flag: 1.0})
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("gamma", 1.5, "must be in [0, 1]"),
+        ("lam", NAN, "must be in [0, 1]"),
+        ("critic_learning_rate", 0.0, "must be positive"),
+        ("value_clip_eps", -0.2, "must be 0 (off) or positive"),
+        ("entropy_coef", -0.01, "must be 0 (off) or positive"),
+        ("target_kl", INF, "must be 0 (off) or positive"),
+    ],
+)
+def test_ppo_refuses_its_own_flags_out_of_range(flag, value, allowed):
+    refused(ppo, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("beta", -0.1, "must be positive"),
+        ("max_grad_norm", 0.0, "must be positive"),
+        ("group_size", 1, "needs at least 2 answers"),
+        ("micro_batch_size", -64, "must be 0 (the whole batch) or positive"),
+        ("num_pair_prompts", 0, "must be at least 1"),
+    ],
+)
+def test_dpo_refuses_flags_out_of_range(flag, value, allowed):
+    refused(dpo, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("target_accuracy", 1.5, "must be in (0, 1]"),
+        ("tolerance", -0.01, "must be 0 or positive"),
+        ("num_check", 9000, "must leave problems to train on"),
+        ("learning_rate", NAN, "must be positive"),
+    ],
+)
+def test_sft_refuses_flags_out_of_range(flag, value, allowed):
+    refused(sft, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
+
+
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo, sft], ids=lambda m: m.__name__)
+def test_the_defaults_pass_and_the_output_folder_is_created(module, tmp_path):
+    out = tmp_path / "a" / "b"
+    module.check_args(module.Args(output_dir=str(out), **({} if module is sft else {"cache_dir": str(tmp_path / "c")})))
+    assert out.is_dir()
+
+
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo, sft], ids=lambda m: m.__name__)
+def test_an_output_folder_that_cannot_be_created_is_refused(module, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder is needed")
+    refused(
+        module,
+        f"--output-dir {str(blocker / 'run')!r}: cannot create or write to this folder",
+        output_dir=str(blocker / "run"),
+    )
+
+
+def test_a_cache_folder_that_cannot_be_created_is_refused_when_a_warm_up_is_due(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    message = f"--cache-dir {str(blocker / 'cache')!r}: cannot create or write to this folder"
+    refused(grpo, message, cache_dir=str(blocker / "cache"), output_dir=str(tmp_path / "out"))
+
+
+def test_a_folder_without_a_model_is_refused_before_loading(tmp_path):
+    refused(grpo, f"--model-name-or-path {str(tmp_path)!r}: no config.json in this folder", model_name_or_path=str(tmp_path))
+
+
+def tiny_model(path, with_tokenizer=True):
+    tokenizer = common.build_tokenizer()
+    common.build_tiny_model(tokenizer).save_pretrained(path)
+    if with_tokenizer:
+        tokenizer.save_pretrained(path)
+
+
+def test_a_folder_without_a_tokenizer_is_one_line_naming_the_flag(tmp_path):
+    tiny_model(tmp_path, with_tokenizer=False)
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
+    line = str(exit_info.value.code)
+    assert (
+        line.startswith(f"--model-name-or-path {str(tmp_path)!r}: cannot load a model and its tokenizer") and "\n" not in line
+    )
+
+
+def test_a_damaged_built_in_cache_names_the_folder_to_delete(tmp_path):
+    cache = str(tmp_path / "cache")
+    path = common.builtin_model_dir(cache)
+    tiny_model(path)
+    common.load_model_and_tokenizer("builtin", cache, torch.device("cpu"))  # intact: loads
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(SystemExit) as exit_info:
+        common.load_model_and_tokenizer("builtin", cache, torch.device("cpu"))
+    line = str(exit_info.value.code)
+    assert f"the cached built-in model in {path} cannot be loaded" in line and "delete that folder" in line
+    assert "\n" not in line
+
+
+def test_an_unreadable_preference_file_names_the_flag(tmp_path, monkeypatch, model_dir):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "1+1=", "chosen": "2"\nnot json at all\n')
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(
+            monkeypatch, "dpo.py", "--model-name-or-path", model_dir, "--dataset", str(bad), "--output-dir", str(tmp_path)
+        )
+    assert str(exit_info.value.code).startswith(f"--dataset {str(bad)!r}: cannot be loaded")
+
+
+def offline(tmp_path, script, *flags):
+    """The script's command line in a fresh process with the hub forced offline and empty Hugging Face caches."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "TQDM_DISABLE": "1",
+    }
+    flags = [*flags, "--output-dir", str(tmp_path / "out"), "--device", "cpu"]
+    return subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_hub_model_that_cannot_be_reached_is_one_line(tmp_path):
+    result = offline(tmp_path, "rloo.py", "--model-name-or-path", "Qwen/Qwen2.5-0.5B-Instruct")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("--model-name-or-path 'Qwen/Qwen2.5-0.5B-Instruct': not in the local Hugging Face cache"), last
+    assert "pass a local folder" in last
+
+
+def test_a_hub_data_set_that_cannot_be_reached_is_one_line(tmp_path, model_dir):
+    result = offline(tmp_path, "grpo.py", "--task", "gsm8k", "--model-name-or-path", model_dir)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("--task gsm8k: openai/gsm8k is not in the local datasets cache"), last
+
+
+def test_an_output_folder_that_cannot_be_created_fails_through_the_command_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = subprocess.run(
+        [sys.executable, "ppo.py", "--output-dir", str(blocker / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"--output-dir {str(blocker / 'run')!r}: cannot create or write to this folder (Not a directory)", last
+
+
+def test_a_real_bug_still_shows_its_traceback(monkeypatch, tmp_path):
+    """Only loading errors become one line: an error of our own code is not swallowed."""
+    monkeypatch.setattr(common, "resolve_model_path", lambda name, cache_dir: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        common.load_model_and_tokenizer("builtin", str(tmp_path), torch.device("cpu"))
+
+
+def test_check_flag_reads_the_value_from_the_args():
+    args = grpo.Args(beta=0.5)
+    common.check_flag(args, "beta", "ok", lambda v: v > 0)
+    with pytest.raises(SystemExit, match=r"^--beta 0.5: below 1$"):
+        common.check_flag(args, "beta", "below 1", lambda v: v > 1)
