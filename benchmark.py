@@ -1,7 +1,7 @@
 """Reference results: every algorithm with its default settings, over several seeds, on the built-in task.
 
     pip install matplotlib        # only this script needs it
-    python benchmark.py           # 7 algorithms x 3 seeds, about 50 minutes on a 2-core CPU
+    python benchmark.py           # 7 algorithms x 3 seeds, about 70 minutes on a 2-core CPU
     python benchmark.py --quick   # a sanity check of the whole pipeline in a few minutes
 
 Each run writes runs/benchmark/<algorithm>__<seed>/metrics.jsonl (existing complete runs are reused unless --fresh);
