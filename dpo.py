@@ -179,7 +179,8 @@ def load_pairs(args):
         elif args.dataset.endswith((".json", ".jsonl")):
             ds = datasets.load_dataset("json", data_files=args.dataset, split="train")
         else:
-            ds = datasets.load_dataset(args.dataset, split="train")
+            with common.offline_unless_hub_reachable():
+                ds = datasets.load_dataset(args.dataset, split="train")
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
         raise SystemExit(f"--dataset {args.dataset!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
     missing = {"prompt", "chosen", "rejected"} - set(ds.column_names)
@@ -219,12 +220,13 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    user_pairs = load_pairs(args) if args.dataset else None  # a user's data set is read before any model is loaded
     policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
     logger = common.MetricsLogger(args.output_dir)
     pairs_time = 0.0  # seconds spent building the pairs (0 when they come from the cache or --dataset)
     if args.dataset:
-        pairs, skipped = load_pairs(args), 0
+        pairs, skipped = user_pairs, 0
     else:
         model_path = common.resolve_model_path(args.model_name_or_path, args.cache_dir)
         recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]

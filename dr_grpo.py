@@ -159,6 +159,9 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    common.check_flag(
+        args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
+    )
     policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:

@@ -195,7 +195,7 @@ class Critic(torch.nn.Module):
         from transformers import AutoModel
 
         super().__init__()
-        self.body = AutoModel.from_pretrained(path, dtype=torch.float32)
+        self.body = common.load_local_first(lambda **kw: AutoModel.from_pretrained(path, dtype=torch.float32, **kw), path)
         self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
 
@@ -216,6 +216,9 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    common.check_flag(
+        args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
+    )
     policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:

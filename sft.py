@@ -104,6 +104,7 @@ def warm_up(args: Args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     train_set, check_set = common.split_by_key(task.train, args.num_check, common.addition_operands, seed=args.seed)
+    common.check_flag(args, "batch_size", f"at most the {len(train_set)} training problems", lambda v: v <= len(train_set))
     start, accuracy, approaching = time.time(), 0.0, False
     closest = (float("inf"), None, 0, 0.0)  # (distance to the target, weights, step, accuracy) of the closest check
     for step in (bar := tqdm(range(1, args.max_steps + 1), desc="sft warm-up")):

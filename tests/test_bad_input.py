@@ -2,6 +2,7 @@
 no traceback, before any model or data is loaded. Nothing here touches the network: the hub is forced offline."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -174,15 +175,19 @@ def test_an_unreadable_preference_file_names_the_flag(tmp_path, monkeypatch, mod
     assert str(exit_info.value.code).startswith(f"--dataset {str(bad)!r}: cannot be loaded")
 
 
+def closed_port_url() -> str:
+    """An endpoint on this machine that refuses connections, like a hub that cannot be reached (no network involved)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
 def offline(tmp_path, script, *flags):
-    """The script's command line in a fresh process with the hub forced offline and empty Hugging Face caches."""
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HOME": str(tmp_path / "hf"),
-        "TQDM_DISABLE": "1",
-    }
+    """The script's command line in a fresh process whose hub endpoint refuses connections, with empty Hugging Face
+    caches: what a user without internet gets (HF_HUB_OFFLINE is not set, so the scripts must find out themselves)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
+    env.update({"HF_ENDPOINT": closed_port_url(), "HF_HOME": str(tmp_path / "hf"), "TQDM_DISABLE": "1"})
     flags = [*flags, "--output-dir", str(tmp_path / "out"), "--device", "cpu"]
     return subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
 
@@ -190,16 +195,32 @@ def offline(tmp_path, script, *flags):
 def test_a_hub_model_that_cannot_be_reached_is_one_line(tmp_path):
     result = offline(tmp_path, "rloo.py", "--model-name-or-path", "Qwen/Qwen2.5-0.5B-Instruct")
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("--model-name-or-path 'Qwen/Qwen2.5-0.5B-Instruct': not in the local Hugging Face cache"), last
-    assert "pass a local folder" in last
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]  # no retry chatter from the hub client either
+    assert lines[0].startswith("--model-name-or-path 'Qwen/Qwen2.5-0.5B-Instruct': not in the local Hugging Face cache"), lines
+    assert "the hub cannot be reached" in lines[0] and "pass a local folder" in lines[0]
 
 
 def test_a_hub_data_set_that_cannot_be_reached_is_one_line(tmp_path, model_dir):
     result = offline(tmp_path, "grpo.py", "--task", "gsm8k", "--model-name-or-path", model_dir)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("--task gsm8k: openai/gsm8k is not in the local datasets cache"), last
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("--task gsm8k: openai/gsm8k is not in the local datasets cache"), lines
+
+
+def test_hub_unreachable_says_why_and_is_none_for_a_listening_endpoint(monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
+    assert "127.0.0.1" in common.hub_unreachable(timeout=2)
+    with socket.socket() as server:  # a local endpoint that accepts connections
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert common.hub_unreachable(timeout=2) is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert common.hub_unreachable() == "HF_HUB_OFFLINE is set"
 
 
 def test_an_output_folder_that_cannot_be_created_fails_through_the_command_line(tmp_path):
@@ -225,3 +246,17 @@ def test_check_flag_reads_the_value_from_the_args():
     common.check_flag(args, "beta", "ok", lambda v: v > 0)
     with pytest.raises(SystemExit, match=r"^--beta 0.5: below 1$"):
         common.check_flag(args, "beta", "below 1", lambda v: v > 1)
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py"])
+def test_more_prompts_per_step_than_the_training_split_holds_is_refused_before_loading(monkeypatch, tmp_path, script):
+    monkeypatch.setattr(common, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before refusing"))
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(monkeypatch, script, "--num-prompts", "100000", "--output-dir", str(tmp_path))
+    assert str(exit_info.value.code) == "--num-prompts 100000: at most the 9500 prompts of the training split"
+
+
+def test_sft_refuses_a_batch_larger_than_its_training_part(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        sft.warm_up(sft.Args(output_dir=str(tmp_path), batch_size=100000))
+    assert str(exit_info.value.code) == "--batch-size 100000: at most the 8500 training problems"
