@@ -1,6 +1,7 @@
 """Plumbing shared by every script: seeding, device, the built-in task and its reward, the built-in tiny model,
 sampling, evaluation and metrics logging. No advantage estimator and no loss lives here: those are in the scripts."""
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -52,9 +53,10 @@ def autocast(device: torch.device):
 @dataclass
 class Task:
     name: str
-    train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer
+    train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer (and solution: what the warm-up imitates)
     eval: "datasets.Dataset"  # noqa: F821  fixed held-out split, never trained on
     extract_answer: Callable[[str], str | None]  # completion text -> the final answer it states (or None)
+    max_new_tokens: int = 256  # the generation budget a script uses unless --max-new-tokens says otherwise
 
     def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
@@ -101,9 +103,49 @@ def make_addition_task(num_eval: int = 500) -> Task:
     import datasets
 
     problems = [(a, b) for a in range(100) for b in range(100)]
-    to_dict = lambda ps: {"prompt": [f"{a:02d}+{b:02d}=" for a, b in ps], "answer": [str(a + b)[::-1] for a, b in ps]}  # noqa: E731
-    train, held_out = split_by_key(datasets.Dataset.from_dict(to_dict(problems)), num_eval, addition_operands, seed=1234)
-    return Task(name="addition", train=train, eval=held_out, extract_answer=_addition_answer)
+    answers = [str(a + b)[::-1] for a, b in problems]
+    prompts = [f"{a:02d}+{b:02d}=" for a, b in problems]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers, "solution": answers})
+    train, held_out = split_by_key(dataset, num_eval, addition_operands, seed=1234)
+    return Task(name="addition", train=train, eval=held_out, extract_answer=_addition_answer, max_new_tokens=8)
+
+
+def scratchpad_solution(a: int, b: int, digits: int = 3) -> str:
+    """The worked solution of a + b, one column at a time from the least significant digit, the carry written out,
+    then the sum after a lone "=": 482 + 396 gives "2+6=8 8+9=17 4+3+1=8 =878"."""
+    columns, carry = [], 0
+    for i in range(digits):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        columns.append(f"{x}+{y}{'+1' if carry else ''}={x + y + carry}")
+        carry = (x + y + carry) // 10
+    return " ".join(columns) + f" ={a + b}"
+
+
+def _scratchpad_answer(completion: str) -> str | None:
+    """The number after the last lone "=" (one that starts a word): the final answer, whatever the working says."""
+    answers = re.findall(r"(?:^|\s)=(\d+)", completion)
+    return answers[-1] if answers else None
+
+
+def make_scratchpad_task(num_eval: int = 500, num_problems: int = 20000) -> Task:
+    """The built-in long-answer task: three-digit addition "482+396=" worked column by column with its carries
+    ("2+6=8 8+9=17 4+3+1=8 =878", then EOS; see scratchpad_solution), rewarded on the final answer alone. A correct
+    response is 20 to 31 tokens long and its length depends on the carries; a model that loses its way can ramble
+    until --max-new-tokens (64 by default, twice the longest correct answer). `num_problems` distinct problems are
+    drawn (fixed seed) from the million, and the held-out split is split by the unordered pair of operands."""
+    import datasets
+
+    rng = random.Random(4321)
+    problems = list(dict.fromkeys((rng.randrange(1000), rng.randrange(1000)) for _ in range(2 * num_problems)))[:num_problems]
+    dataset = datasets.Dataset.from_dict(
+        {
+            "prompt": [f"{a:03d}+{b:03d}=" for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+            "solution": [scratchpad_solution(a, b) for a, b in problems],
+        }
+    )
+    train, held_out = split_by_key(dataset, num_eval, addition_operands, seed=1234)
+    return Task("scratchpad", train, held_out, _scratchpad_answer, max_new_tokens=64)
 
 
 def _gsm8k_answer(completion: str) -> str | None:
@@ -132,7 +174,12 @@ def make_gsm8k_task(num_eval: int = 500) -> Task:
     return Task("gsm8k", convert("train"), convert("test").select(range(num_eval)), _gsm8k_answer)
 
 
-TASKS: dict[str, Callable[[], Task]] = {"addition": make_addition_task, "gsm8k": make_gsm8k_task}
+TASKS: dict[str, Callable[[], Task]] = {
+    "addition": make_addition_task,
+    "scratchpad": make_scratchpad_task,
+    "gsm8k": make_gsm8k_task,
+}
+BUILTIN_TASKS = ("addition", "scratchpad")  # the tasks the built-in model can be warmed up on
 
 
 def make_task(name: str) -> Task:
@@ -161,7 +208,7 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(tokenizer):
+def build_tiny_model(tokenizer, max_positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -171,7 +218,7 @@ def build_tiny_model(tokenizer):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -186,10 +233,10 @@ def cache_root(cache_dir: str = "") -> str:
 
 
 @functools.cache  # once per process, so that editing the sources during a run cannot change the answer
-def builtin_model_dir(cache_dir: str) -> str:
-    """Where the warmed-up built-in model is cached. The folder name carries a hash of the warm-up recipe (sft.py and
-    the code that builds the task, tokenizer and model), so that changing it trains a new model instead of silently
-    reusing a stale one."""
+def builtin_model_dir(cache_dir: str, task: str = "addition") -> str:
+    """Where the built-in model warmed up on `task` is cached. The folder name carries a hash of the warm-up recipe
+    (sft.py, its settings for the task, and the code that builds the task, tokenizer and model), so that changing it
+    trains a new model instead of silently reusing a stale one."""
     import inspect
 
     import sft
@@ -199,7 +246,7 @@ def builtin_model_dir(cache_dir: str) -> str:
         sft.encode,
         sft.greedy_accuracy,
         sft.warm_up,
-        make_addition_task,
+        TASKS[task],
         split_by_key,
         addition_operands,
         build_tokenizer,
@@ -209,8 +256,10 @@ def builtin_model_dir(cache_dir: str) -> str:
         evaluate,
     )
     sources = [inspect.getsource(f) for f in recipe_parts]
-    recipe = json.dumps(vars(sft.Args()), sort_keys=True) + "".join(sources)
-    return os.path.join(cache_root(cache_dir), f"builtin-addition-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
+    if task == "scratchpad":
+        sources.append(inspect.getsource(scratchpad_solution))
+    recipe = json.dumps(vars(sft.task_args(task)), sort_keys=True) + "".join(sources)
+    return os.path.join(cache_root(cache_dir), f"builtin-{task}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -225,28 +274,28 @@ def check_model_path(name: str) -> None:
         raise SystemExit(f"--model-name-or-path {name!r}: no config.json in this folder (save a model with save_pretrained)")
 
 
-def resolve_model_path(name: str, cache_dir: str) -> str:
-    """'builtin' means the tiny model after its supervised warm-up on the built-in task (sft.py), trained the first
+def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str:
+    """'builtin' means the tiny model after its supervised warm-up on the built-in `task` (sft.py), trained the first
     time it is needed and cached on disk: return its folder. Anything else is returned as it is, for from_pretrained."""
     check_model_path(name)
     if name != "builtin":
         return name
-    path = builtin_model_dir(cache_dir)
+    path = builtin_model_dir(cache_dir, task)
     if not os.path.isfile(os.path.join(path, "config.json")):
         import sft
 
         print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
-        sft.warm_up(sft.Args(output_dir=path + ".partial"))
+        sft.warm_up(dataclasses.replace(sft.task_args(task), output_dir=path + ".partial"))
         os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
     return path
 
 
-def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device):
-    """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model and
-    for a hub model alike."""
+def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, task: str = "addition"):
+    """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model
+    (warmed up on `task`) and for a hub model alike."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(name, cache_dir)
+    path = resolve_model_path(name, cache_dir, task)
     load = lambda **kw: (  # noqa: E731
         AutoTokenizer.from_pretrained(path, padding_side="left", **kw),
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw),
@@ -464,6 +513,13 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, ba
     return {"eval/accuracy": torch.cat(correct).mean().item(), "eval/response_length": torch.cat(lengths).mean().item()}
 
 
+def lengths_by_outcome(lengths: torch.Tensor, scores: torch.Tensor) -> dict:
+    """Mean length in tokens of the correct responses (verifier score 1) and of the wrong ones, each logged only when
+    the batch has one: whether wrong answers grow longer than right ones is what Dr. GRPO's length fix is about."""
+    picks = {"rollout/response_length_correct": scores == 1, "rollout/response_length_wrong": scores != 1}
+    return {name: lengths[pick].float().mean() for name, pick in picks.items() if pick.any()}
+
+
 class MetricsLogger:
     """Appends one JSON object per logged step to OUTPUT_DIR/metrics.jsonl."""
 
@@ -531,6 +587,10 @@ def check_shared_args(args) -> None:
     """Checks of the shared block of flags (task, model, device) that every script has."""
     if args.task not in TASKS:
         raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(TASKS)}")
+    if args.model_name_or_path == "builtin" and args.task not in BUILTIN_TASKS:
+        raise SystemExit(
+            f"--task {args.task}: the built-in model knows only {', '.join(BUILTIN_TASKS)}; pass --model-name-or-path"
+        )
     check_model_path(args.model_name_or_path)
     get_device(args.device)
 
@@ -538,7 +598,7 @@ def check_shared_args(args) -> None:
 def check_folders(args) -> None:
     """The last check: the output folder is created (or found) writable, and so is the cache when a warm-up is due."""
     check_writable_dir("--output-dir", args.output_dir)
-    if args.model_name_or_path == "builtin" and not os.path.isdir(builtin_model_dir(args.cache_dir)):
+    if args.model_name_or_path == "builtin" and not os.path.isdir(builtin_model_dir(args.cache_dir, args.task)):
         check_writable_dir("--cache-dir", cache_root(args.cache_dir))  # the warm-up will be cached there
 
 
@@ -548,6 +608,8 @@ def check_common_args(args) -> None:
     for flag in ("temperature", "learning_rate", "max_grad_norm"):
         check_flag(args, flag, "must be positive", lambda v: v > 0)
     check_flag(args, "beta", "must be 0 (no KL penalty) or positive", lambda v: v >= 0)
-    for flag in ("total_steps", "num_prompts", "num_minibatches", "num_epochs", "max_new_tokens", "eval_every"):
+    for flag in ("num_prompts", "num_minibatches", "num_epochs", "eval_every"):
         check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
+    check_flag(args, "total_steps", "must be 0 (the script's number for the task) or positive", lambda v: v >= 0)
     check_flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)

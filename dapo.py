@@ -29,6 +29,9 @@ from tqdm import tqdm
 
 import common
 
+# default --total-steps per task: a scratchpad step (answers of 20-31 tokens) costs about four times an addition step
+STEPS = {"addition": 200, "scratchpad": 100, "gsm8k": 200}
+
 
 @dataclass
 class Args:
@@ -43,15 +46,15 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
 
     # Algorithm specific arguments
-    total_steps: int = 200
-    """rollout-and-update steps"""
+    total_steps: int = 0
+    """rollout-and-update steps (0: this script's number for the task, in STEPS)"""
     num_prompts: int = 32
     """prompts per rollout"""
     group_size: int = 8
@@ -68,16 +71,17 @@ class Args:
     """gradient clipping threshold"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
-    max_new_tokens: int = 8
-    """generation budget per response"""
+    max_new_tokens: int = 0
+    """generation budget per response (0: the task's own, 8 for addition and 64 for scratchpad)"""
     clip_eps_low: float = 0.2  # DAPO: decoupled clip range (clip-higher, §3.1)
     """lower clip range epsilon_low"""
     clip_eps_high: float = 0.28
     """upper clip range epsilon_high"""
     beta: float = 0.0  # DAPO: no KL term
     """coefficient of the KL penalty to the reference model (0: no reference model is loaded)"""
-    overlong_buffer: int = 4
-    """L_cache of the soft overlong punishment: responses longer than max_new_tokens - L_cache tokens lose up to 1"""
+    overlong_buffer: int = 0
+    """L_cache of the soft overlong punishment: responses longer than max_new_tokens - L_cache tokens lose up to 1
+    (0: half of max_new_tokens, 4 on addition and 32 on scratchpad, longer than any correct answer on both)"""
     mask_truncated: bool = False
     """overlong filtering: leave responses that hit max_new_tokens out of the loss"""
     max_sampling_rounds: int = 8
@@ -96,8 +100,8 @@ def check_args(args: Args) -> None:
     common.check_flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     for flag in ("clip_eps_low", "clip_eps_high"):
         common.check_flag(args, flag, "must be in (0, 1): the clip range is [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
-    if not 1 <= args.overlong_buffer <= args.max_new_tokens or args.max_sampling_rounds < 1:
-        raise SystemExit("--overlong-buffer must be in [1, --max-new-tokens] and --max-sampling-rounds at least 1")
+    common.check_flag(args, "overlong_buffer", "must be 0 (half of --max-new-tokens) or positive", lambda v: v >= 0)
+    common.check_flag(args, "max_sampling_rounds", "must be at least 1", lambda v: v >= 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
@@ -189,13 +193,22 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
+    args.total_steps = args.total_steps or STEPS[args.task]
+    args.overlong_buffer = args.overlong_buffer or args.max_new_tokens // 2  # DAPO: L_cache
+    common.check_flag(
+        args,
+        "overlong_buffer",
+        f"must be at most --max-new-tokens ({args.max_new_tokens})",
+        lambda v: v <= args.max_new_tokens,
+    )
     common.check_flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
-        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -211,7 +224,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
         # DAPO: dynamic sampling (§3.2), rounds of num_prompts prompts until num_prompts groups with unequal scores
-        rounds, all_scores = [], []
+        rounds, all_scores, all_lengths = [], [], []
         for _ in range(args.max_sampling_rounds):
             batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
             prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
@@ -226,6 +239,7 @@ if __name__ == "__main__":
             keep = filter_groups(scores, args.group_size).repeat_interleave(args.group_size)  # (B,) on accuracy, eq. 11
             rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards)])
             all_scores.append(scores)
+            all_lengths.append(mask.sum(dim=1))
             if sum(len(r[0]) for r in rounds) >= args.batch_size:
                 break
         else:
@@ -306,6 +320,7 @@ if __name__ == "__main__":
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
+                **common.lengths_by_outcome(torch.cat(all_lengths), torch.cat(all_scores)),  # DAPO: every sampled response
                 "rollout/truncated_frac": truncated.float().mean(),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,

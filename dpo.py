@@ -48,7 +48,7 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
@@ -74,8 +74,8 @@ class Args:
     """built-in pairs: training problems to answer"""
     group_size: int = 8
     """built-in pairs: answers sampled per problem, at temperature 1"""
-    max_new_tokens: int = 8
-    """generation budget of the built-in pairs and of the evaluation"""
+    max_new_tokens: int = 0
+    """generation budget of the built-in pairs and of the evaluation (0: the task's own, 8 for addition, 64 for scratchpad)"""
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
@@ -87,7 +87,8 @@ def check_args(args: Args) -> None:
     common.check_shared_args(args)
     for flag in ("beta", "learning_rate", "max_grad_norm"):
         common.check_flag(args, flag, "must be positive", lambda v: v > 0)
-    for flag in ("total_steps", "batch_size", "num_pair_prompts", "max_new_tokens", "eval_every"):
+    common.check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
+    for flag in ("total_steps", "batch_size", "num_pair_prompts", "eval_every"):
         common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
     common.check_flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
     common.check_flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
@@ -220,15 +221,16 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     user_pairs = load_pairs(args) if args.dataset else None  # a user's data set is read before any model is loaded
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
     logger = common.MetricsLogger(args.output_dir)
     pairs_time = 0.0  # seconds spent building the pairs (0 when they come from the cache or --dataset)
     if args.dataset:
         pairs, skipped = user_pairs, 0
     else:
-        model_path = common.resolve_model_path(args.model_name_or_path, args.cache_dir)
+        model_path = common.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
         recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
         key = hashlib.sha1(json.dumps([*recipe, args.max_new_tokens]).encode()).hexdigest()[:10]
         pairs_dir = os.path.join(common.cache_root(args.cache_dir), f"dpo-pairs-{key}")

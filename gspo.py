@@ -26,6 +26,9 @@ from tqdm import tqdm
 
 import common
 
+# default --total-steps per task: a scratchpad step (answers of 20-31 tokens) costs about four times an addition step
+STEPS = {"addition": 200, "scratchpad": 100, "gsm8k": 200}
+
 
 @dataclass
 class Args:
@@ -40,15 +43,15 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
 
     # Algorithm specific arguments
-    total_steps: int = 200
-    """rollout-and-update steps"""
+    total_steps: int = 0
+    """rollout-and-update steps (0: this script's number for the task, in STEPS)"""
     num_prompts: int = 32
     """prompts per rollout"""
     group_size: int = 8
@@ -65,8 +68,8 @@ class Args:
     """gradient clipping threshold"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
-    max_new_tokens: int = 8
-    """generation budget per response"""
+    max_new_tokens: int = 0
+    """generation budget per response (0: the task's own, 8 for addition and 64 for scratchpad)"""
     clip_eps_low: float = 3e-4  # GSPO: sequence-level clip ranges
     """lower clip range of the sequence ratio"""
     clip_eps_high: float = 4e-4
@@ -164,13 +167,15 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
+    args.total_steps = args.total_steps or STEPS[args.task]
     common.check_flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
-        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -254,6 +259,7 @@ if __name__ == "__main__":
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
+                **common.lengths_by_outcome(mask.sum(dim=1), rewards),
                 "rollout/truncated_frac": truncated.float().mean(),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,

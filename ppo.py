@@ -29,6 +29,9 @@ from tqdm import tqdm
 
 import common
 
+# default --total-steps per task: a scratchpad step (answers of 20-31 tokens) costs about four times an addition step
+STEPS = {"addition": 60, "scratchpad": 30, "gsm8k": 60}  # PPO: fewer, costlier steps
+
 
 @dataclass
 class Args:
@@ -43,15 +46,15 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' (built in, offline) or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
 
     # Algorithm specific arguments
-    total_steps: int = 60
-    """rollout-and-update steps"""
+    total_steps: int = 0
+    """rollout-and-update steps (0: this script's number for the task, in STEPS)"""
     num_prompts: int = 256
     """prompts per rollout"""
     group_size: int = 1
@@ -68,8 +71,8 @@ class Args:
     """gradient clipping threshold"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
-    max_new_tokens: int = 8
-    """generation budget per response"""
+    max_new_tokens: int = 0
+    """generation budget per response (0: the task's own, 8 for addition and 64 for scratchpad)"""
     clip_eps: float = 0.2
     """PPO clip range epsilon"""
     beta: float = 0.05
@@ -216,15 +219,17 @@ if __name__ == "__main__":
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
+    args.total_steps = args.total_steps or STEPS[args.task]
     common.check_flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
-        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device)
+        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
-    critic = Critic(common.resolve_model_path(args.model_name_or_path, args.cache_dir)).to(device)
+    critic = Critic(common.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)).to(device)
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
@@ -328,6 +333,7 @@ if __name__ == "__main__":
             {
                 "rollout/reward_mean": rewards.mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
+                **common.lengths_by_outcome(mask.sum(dim=1), rewards),
                 "rollout/truncated_frac": truncated.float().mean(),
                 "train/advantage_mean": raw_advantages.mean(),
                 "train/advantage_std": raw_advantages.std(),

@@ -29,6 +29,8 @@ import common
 class Args:
     output_dir: str = "runs/sft"
     """where the model and tokenizer are saved"""
+    task: str = "addition"
+    """the built-in task to warm up on: addition or scratchpad (`task_args` holds each one's settings)"""
     seed: int = 0
     """seed of the warm-up (fixed, so that every RL run starts from the same policy)"""
     device: str = "auto"
@@ -51,15 +53,30 @@ class Args:
     learning_rate: float = 1e-3
     """AdamW learning rate (linear warm-up over the first 50 steps, then constant; a lower rate near the target makes
     the accuracy climb smoothly but leaves a starting policy from which RL learns far more slowly)"""
-    max_new_tokens: int = 8
-    """generation budget of the held-out evaluation at the end"""
+    max_new_tokens: int = 0
+    """generation budget of the held-out evaluation at the end (0: the task's)"""
+    max_positions: int = 64
+    """max_position_embeddings of the tiny model's config: prompt and response must fit"""
+
+
+def task_args(task: str) -> Args:
+    """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 20-31
+    tokens long, so one step of the warm-up moves its accuracy less; it stops at about a third right, leaving room for
+    RL, and its model needs positions for a prompt of 8 tokens and a response of up to 64."""
+    if task == "scratchpad":
+        return Args(task=task, target_accuracy=0.3, tolerance=0.04, approach_accuracy=0.15, max_steps=4000, max_positions=128)
+    return Args(task=task)
 
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.get_device(args.device)
-    for flag in ("max_steps", "check_every", "num_check", "batch_size", "max_new_tokens"):
+    common.check_flag(
+        args, "task", f"allowed values are {', '.join(common.BUILTIN_TASKS)}", lambda v: v in common.BUILTIN_TASKS
+    )
+    for flag in ("max_steps", "check_every", "num_check", "batch_size", "max_positions"):
         common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    common.check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
     common.check_flag(args, "num_check", "must leave problems to train on (at most 5000)", lambda v: v <= 5000)
     common.check_flag(args, "learning_rate", "must be positive", lambda v: v > 0)
     common.check_flag(args, "target_accuracy", "must be in (0, 1]", lambda v: 0 < v <= 1)
@@ -69,9 +86,10 @@ def check_args(args: Args) -> None:
 
 
 def encode(tokenizer, batch: dict, device: torch.device):
-    """ "prompt + answer + EOS", left-padded: input_ids, attention_mask, position_ids and is_answer, all (B, L), where
-    is_answer marks the answer's tokens and its EOS (the last answer_len positions of each row)."""
-    answers = [a + tokenizer.eos_token for a in batch["answer"]]
+    """ "prompt + solution + EOS", left-padded: input_ids, attention_mask, position_ids and is_answer, all (B, L), where
+    is_answer marks the solution's tokens and its EOS (the last answer_len positions of each row). The solution is the
+    answer itself on the addition task, the worked columns and the answer on the scratchpad task."""
+    answers = [a + tokenizer.eos_token for a in batch["solution"]]
     input_ids, attention_mask = common.tokenize_prompts(tokenizer, [p + a for p, a in zip(batch["prompt"], answers)], device)
     answer_len = torch.tensor([len(tokenizer(a, add_special_tokens=False).input_ids) for a in answers], device=device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -98,9 +116,9 @@ def greedy_accuracy(model, tokenizer, dataset, batch_size: int = 1000) -> float:
 def warm_up(args: Args) -> dict:
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
-    task = common.make_task("addition")
+    task = common.make_task(args.task)
     tokenizer = common.build_tokenizer()
-    model = common.build_tiny_model(tokenizer).to(device)
+    model = common.build_tiny_model(tokenizer, args.max_positions).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     train_set, check_set = common.split_by_key(task.train, args.num_check, common.addition_operands, seed=args.seed)
@@ -132,7 +150,7 @@ def warm_up(args: Args) -> dict:
         print(f"warm-up: no check within {args.tolerance} of {args.target_accuracy}; keeping the closest (step {closest[2]})")
     _, weights, step, accuracy = closest
     model.load_state_dict(weights)
-    metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens)
+    metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens or task.max_new_tokens)
     metrics.update({"sft/steps": step, "sft/check_accuracy": accuracy, "time/warm_up": time.time() - start})
     print(
         f"warm-up: {step} steps, {metrics['time/warm_up']:.0f}s, greedy accuracy {accuracy:.1%} on the check set, "

@@ -41,8 +41,9 @@ def refused(module, message, **overrides):
         ("max_grad_norm", 0.0, "must be positive"),
         ("learning_rate", INF, "must be positive"),
         ("temperature", 0.0, "must be positive"),
-        ("total_steps", 0, "must be at least 1"),
-        ("max_new_tokens", -3, "must be at least 1"),
+        ("total_steps", -1, "must be 0 (the script's number for the task) or positive"),
+        ("max_new_tokens", -3, "must be 0 (the task's) or positive"),
+        ("num_prompts", 0, "must be at least 1"),
         ("micro_batch_size", -8, "must be 0 (the whole minibatch) or positive"),
     ],
 )
@@ -236,7 +237,7 @@ def test_an_output_folder_that_cannot_be_created_fails_through_the_command_line(
 
 def test_a_real_bug_still_shows_its_traceback(monkeypatch, tmp_path):
     """Only loading errors become one line: an error of our own code is not swallowed."""
-    monkeypatch.setattr(common, "resolve_model_path", lambda name, cache_dir: 1 / 0)
+    monkeypatch.setattr(common, "resolve_model_path", lambda *args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         common.load_model_and_tokenizer("builtin", str(tmp_path), torch.device("cpu"))
 

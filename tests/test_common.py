@@ -130,6 +130,33 @@ def test_addition_task_is_fixed_disjoint_and_verified():
     assert reward.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
+def test_scratchpad_task_is_fixed_disjoint_long_and_verified():
+    task = common.make_task("scratchpad")
+    train, held_out = task.train[:], task.eval[:]
+    assert len(task.eval) == 500 and len(task.train) == 20_000 - 500 and task.max_new_tokens == 64
+    trained_pairs = {operands(p) for p in train["prompt"]}
+    assert not [p for p in held_out["prompt"] if operands(p) in trained_pairs]  # no problem and no commuted twin leaks
+    assert common.make_task("scratchpad").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
+    # worked by hand: columns from the least significant digit, the carry written as "+1", then " =" and the sum
+    assert common.scratchpad_solution(482, 396) == "2+6=8 8+9=17 4+3+1=8 =878"
+    assert common.scratchpad_solution(999, 1) == "9+1=10 9+0+1=10 9+0+1=10 =1000"
+    assert common.scratchpad_solution(5, 3) == "5+3=8 0+0=0 0+0=0 =8"
+    a, b = map(int, train["prompt"][0].rstrip("=").split("+"))
+    assert train["answer"][0] == str(a + b) and train["solution"][0] == common.scratchpad_solution(a, b)
+    lengths = [len(s) + 1 for s in train["solution"]]  # one token per character, and EOS
+    assert min(lengths) >= 20 and max(lengths) <= 32 < task.max_new_tokens
+    # only the final answer counts: the number after the last lone "=", whatever the working says
+    completions = ["2+6=8 8+9=17 4+3+1=8 =878", "1+1=5 =878", "2+6=8 8+9=17 4+3+1=8", "=877 =878", "x =87 8", "878"]
+    assert task.reward(completions, ["878"] * 6).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_lengths_by_outcome_splits_correct_from_wrong_and_skips_an_empty_side():
+    lengths, scores = torch.tensor([20, 30, 40, 25]), torch.tensor([1.0, 0.0, 0.0, 1.0])
+    got = common.lengths_by_outcome(lengths, scores)
+    assert got["rollout/response_length_correct"].item() == 22.5 and got["rollout/response_length_wrong"].item() == 35.0
+    assert list(common.lengths_by_outcome(lengths, torch.zeros(4))) == ["rollout/response_length_wrong"]
+
+
 def test_gsm8k_verifier_reads_the_last_number():
     assert common._gsm8k_answer("so 3 + 4 = 7. The answer is 1,234.") == "1234"
     assert common._gsm8k_answer("no number here") is None

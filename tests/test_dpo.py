@@ -11,7 +11,7 @@ from helpers import tiny_model
 
 
 def args(**overrides):
-    return dpo.Args(**overrides)
+    return dpo.Args(**{"max_new_tokens": 8, **overrides})
 
 
 def test_loss_value_and_metrics():

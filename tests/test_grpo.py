@@ -12,7 +12,7 @@ from helpers import clip_table, policy_gradient_of, tiny_model, true_gradient
 
 
 def args(**overrides):
-    return grpo.Args(**{"beta": 0.0, **overrides})
+    return grpo.Args(**{"beta": 0.0, "max_new_tokens": 8, **overrides})
 
 
 # --- advantages ------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from helpers import clip_table, tiny_model
 
 
 def args(**overrides):
-    return ppo.Args(**overrides)
+    return ppo.Args(**{"max_new_tokens": 8, **overrides})
 
 
 def gae(rewards, values, lam, gamma=1.0):

@@ -265,7 +265,7 @@ def test_dynamic_sampling_keeps_exactly_the_groups_with_mixed_scores():
 @pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo])
 def test_micro_batches_leave_the_gradient_unchanged(module):
     model, input_ids, attention_mask, mask = tiny_model(batch=6, seed=1)
-    advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.0)
+    advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.0, max_new_tokens=8)
     # log pi - log pi_old per response: GSPO clips responses 0 (A > 0) and 5 (A < 0) as a whole, and not 1, 2 and 4
     offsets = torch.tensor([0.01, 1e-4, 1e-4, 0.01, 0.0, -0.01])[:, None]
     with torch.no_grad():
@@ -306,7 +306,7 @@ def test_a_150_nat_gap_at_a_masked_position_leaves_the_gradient_finite(module):
         if module is ppo:
             loss, metrics = ppo.compute_policy_loss(logprobs, old, advantages[:, None].expand(2, 3), mask, ppo.Args())
         else:
-            loss, metrics = module.compute_loss(logprobs, old, ref, advantages, mask, module.Args(beta=0.1))
+            loss, metrics = module.compute_loss(logprobs, old, ref, advantages, mask, module.Args(beta=0.1, max_new_tokens=8))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all(), module.__name__
         assert logprobs.grad[0, 2] == 0 and (logprobs.grad[0, :2] != 0).all()

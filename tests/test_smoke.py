@@ -78,7 +78,7 @@ def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):
     rows = [(p, t) for p, t, cut in zip(prompts, texts, truncated.tolist()) if not cut and t and " " not in t]
     assert len(rows) >= 20, "the test model should end some answers"
     answers = [t if i % 3 else t + "7" for i, (_, t) in enumerate(rows)]  # every third answer made wrong
-    data = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": answers})
+    data = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": answers, "solution": answers})
     expected = sum(1 for i in range(len(rows)) if i % 3) / len(rows)
     assert sft.greedy_accuracy(model, tokenizer, data) == pytest.approx(expected)
     assert common.evaluate(model, tokenizer, common.Task("check", data, data, common._addition_answer), 8)[
