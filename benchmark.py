@@ -1,11 +1,13 @@
-"""Reference results: every algorithm with its default settings, over several seeds, on the built-in task.
+"""Reference results: every algorithm with its default settings, over several seeds, on each built-in task.
 
-    pip install matplotlib        # only this script needs it
-    python benchmark.py           # 7 algorithms x 3 seeds, about 70 minutes on a 2-core CPU
-    python benchmark.py --quick   # a sanity check of the whole pipeline in a few minutes
+    pip install matplotlib                    # only this script needs it
+    python benchmark.py                       # 2 tasks x 7 algorithms x 3 seeds, one after another (hours on a CPU)
+    python benchmark.py --tasks addition      # one task: about 70 minutes on a 2-core CPU
+    python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
 
-Each run writes runs/benchmark/<algorithm>__<seed>/metrics.jsonl (existing complete runs are reused unless --fresh);
-the charts and a markdown table go to docs/. Runs are sequential, so that the wall-clock times are comparable.
+Each run writes runs/benchmark/<task>/<algorithm>__<seed>/metrics.jsonl; complete runs are reused unless --fresh, so
+an interrupted benchmark resumes where it stopped. The charts and a markdown table of each task go to docs/<task>/.
+Runs are sequential, so that the wall-clock times are comparable.
 """
 
 import json
@@ -21,16 +23,19 @@ import tyro
 import common
 
 ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo"]
+TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to X%" column
 
 
 @dataclass
 class Args:
+    tasks: list[str] = field(default_factory=lambda: list(common.BUILTIN_TASKS))
+    """which built-in tasks"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of every algorithm"""
     algorithms: list[str] = field(default_factory=lambda: list(ALGORITHMS))
     """which scripts to run"""
     quick: bool = False
-    """a few steps and one seed, to check the pipeline (writes to runs/benchmark-quick and docs/quick)"""
+    """a few steps, the first seed and the first task, to check the pipeline (to runs/benchmark-quick and docs/quick)"""
     fresh: bool = False
     """rerun even when a complete metrics.jsonl exists"""
     runs_dir: str = "runs/benchmark"
@@ -39,29 +44,29 @@ class Args:
     """where the charts and the table go"""
 
 
-def run_all(args: Args) -> dict:
-    """Run (or reuse) every algorithm x seed; return {algorithm: [rows of each seed's metrics.jsonl]}."""
+def run_all(args: Args, task: str) -> dict:
+    """Run (or reuse) every algorithm x seed on `task`; return {algorithm: [rows of each seed's metrics.jsonl]}."""
     results = {}
     start = time.time()  # the built-in warm-up, once, outside every run's clock (instant when cached)
-    subprocess.run([sys.executable, "-c", "import common; common.resolve_model_path('builtin', '')"], check=True)
-    print(f"built-in warm-up model ready after {time.time() - start:.0f}s", flush=True)
+    subprocess.run([sys.executable, "-c", f"import common; common.resolve_model_path('builtin', '', {task!r})"], check=True)
+    print(f"{task}: built-in warm-up model ready after {time.time() - start:.0f}s", flush=True)
     for algorithm in args.algorithms:
         results[algorithm] = []
         for seed in args.seeds:
-            out = os.path.join(args.runs_dir, f"{algorithm}__{seed}")
+            out = os.path.join(args.runs_dir, task, f"{algorithm}__{seed}")
             path = os.path.join(out, "metrics.jsonl")
             if args.fresh or not complete(path):
-                flags = ["--seed", str(seed), "--output-dir", out]
+                flags = ["--task", task, "--seed", str(seed), "--output-dir", out]
                 if args.quick:
                     flags += ["--total-steps", "10", "--eval-every", "5"] + (
                         ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
                     )
-                print(f"{algorithm} seed {seed} ...", flush=True)
+                print(f"{task}: {algorithm} seed {seed} ...", flush=True)
                 start = time.time()
                 env = {**os.environ, "TQDM_DISABLE": "1"}
                 done = subprocess.run([sys.executable, f"{algorithm}.py", *flags], env=env, capture_output=True, text=True)
                 if done.returncode:
-                    raise SystemExit(f"{algorithm} seed {seed} failed:\n{done.stderr[-3000:]}")
+                    raise SystemExit(f"{task}: {algorithm} seed {seed} failed:\n{done.stderr[-3000:]}")
                 print(f"  {time.time() - start:.0f}s: {done.stdout.strip().splitlines()[-1]}", flush=True)
                 with open(os.path.join(out, "command.json"), "w") as f:
                     json.dump({"seconds": time.time() - start}, f)  # the whole command: loading, training, evaluation
@@ -85,10 +90,10 @@ def series(runs, key, x="time/elapsed"):
     return [[(value(r), r[key]) for r in rows if key in r] for rows in runs]
 
 
-def summary_table(results: dict) -> str:
+def summary_table(results: dict, target: float) -> str:
     lines = [
-        "| algorithm | start accuracy | end accuracy | minutes (command) | minutes (training) | minutes to 90% "
-        "| median step (s) | responses generated |",
+        "| algorithm | start accuracy | end accuracy | minutes (command) | minutes (training) "
+        f"| minutes to {target:.0%} | median step (s) | responses generated |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     spread = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.pstdev(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
@@ -100,15 +105,15 @@ def summary_table(results: dict) -> str:
         command = [rows[0]["time/command"] / 60 for rows in runs if "time/command" in rows[0]]
         steps = statistics.median(r["time/step"] for rows in runs for r in rows if "time/step" in r)
         responses = statistics.mean(rows[-1].get("train/responses", 0) for rows in runs)
-        to_90 = [minutes_to(rows, 0.9) for rows in runs]
-        to_90 = span(to_90) if None not in to_90 else "not reached"
+        to_target = [minutes_to(rows, target) for rows in runs]
+        to_target = span(to_target) if None not in to_target else "not reached"
         cells = [
             algorithm,
             spread(start),
             spread(end),
             span(command) if len(command) == len(runs) else "-",
             span(minutes),
-            to_90,
+            to_target,
             f"{steps:.2f}",
             f"{responses:,.0f}",
         ]
@@ -172,32 +177,34 @@ if __name__ == "__main__":
     except ImportError:
         raise SystemExit("benchmark.py draws its charts with matplotlib: pip install matplotlib") from None
     if args.quick:
-        args.seeds, args.runs_dir, args.docs_dir = (
+        args.tasks, args.seeds, args.runs_dir, args.docs_dir = (
+            args.tasks[:1],
             args.seeds[:1],
             args.runs_dir + "-quick",
             os.path.join(args.docs_dir, "quick"),
         )
     if not args.seeds:
         raise SystemExit("--seeds: give at least one seed")
+    if not args.tasks or set(args.tasks) - set(common.BUILTIN_TASKS):
+        raise SystemExit(f"--tasks {' '.join(args.tasks)}: allowed values are {', '.join(common.BUILTIN_TASKS)}")
     for flag, path in (("--runs-dir", args.runs_dir), ("--docs-dir", args.docs_dir)):  # before an hour of runs
         common.check_writable_dir(flag, path)
-    results = zero_variance_fraction(run_all(args))
-    d = args.docs_dir
-    plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_time.png")
-    plot(
-        results,
-        "eval/accuracy",
-        "greedy held-out accuracy",
-        f"{d}/accuracy_vs_responses.png",
-        "train/responses",
-        "responses generated",
-    )
-    plot(results, "kl/ref", "KL to the reference (per token)", f"{d}/kl_ref.png")
-    plot(results, "rollout/response_length", "sampled response length (tokens)", f"{d}/response_length.png")
-    plot(results, "train/clip_frac_high", "clip fraction, positive advantages", f"{d}/clip_frac_high.png")
-    plot(results, "train/clip_frac_low", "clip fraction, negative advantages", f"{d}/clip_frac_low.png")
-    plot(results, "rollout/zero_std_frac", "fraction of zero-variance groups", f"{d}/zero_variance_groups.png")
-    table = summary_table(results)
-    with open(f"{d}/results.md", "w") as f:
-        f.write(f"Seeds {args.seeds}; mean ± population std (min-max) over seeds.\n\n{table}\n")
-    print(table)
+    for task in args.tasks:
+        results = zero_variance_fraction(run_all(args, task))
+        d = os.path.join(args.docs_dir, task)
+        os.makedirs(d, exist_ok=True)
+        plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_time.png")
+        responses = ("train/responses", "responses generated")
+        plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_responses.png", *responses)
+        plot(results, "kl/ref", "KL to the reference (per token)", f"{d}/kl_ref.png")
+        plot(results, "rollout/response_length", "sampled response length (tokens)", f"{d}/response_length.png")
+        plot(results, "rollout/response_length_correct", "length of correct responses (tokens)", f"{d}/length_correct.png")
+        plot(results, "rollout/response_length_wrong", "length of wrong responses (tokens)", f"{d}/length_wrong.png")
+        plot(results, "rollout/truncated_frac", "fraction of responses truncated", f"{d}/truncated.png")
+        plot(results, "train/clip_frac_high", "clip fraction, positive advantages", f"{d}/clip_frac_high.png")
+        plot(results, "train/clip_frac_low", "clip fraction, negative advantages", f"{d}/clip_frac_low.png")
+        plot(results, "rollout/zero_std_frac", "fraction of zero-variance groups", f"{d}/zero_variance_groups.png")
+        table = summary_table(results, TARGET[task])
+        with open(f"{d}/results.md", "w") as f:
+            f.write(f"Task {task}; seeds {args.seeds}; mean ± population std (min-max) over seeds.\n\n{table}\n")
+        print(f"{task}:\n{table}")

@@ -30,10 +30,10 @@ def test_minutes_to_accuracy():
 
 def test_summary_table_statistics():
     results = {"a": [run([0.5, 0.9, 1.0]), run([0.7, 0.8, 0.8])], "b": [run([0.5, 0.6])]}
-    lines = benchmark.summary_table(results).splitlines()
+    lines = benchmark.summary_table(results, 0.9).splitlines()
     a = [c.strip() for c in lines[2].strip("|").split("|")]
     b = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert a[0] == "a" and b[0] == "b"
+    assert a[0] == "a" and b[0] == "b" and "| minutes to 90% |" in lines[0]
     assert a[1] == "0.600 ± 0.100 (0.500-0.700)"  # start: mean, population std, range over seeds
     assert a[2] == "0.900 ± 0.100 (0.800-1.000)"
     assert a[3] == "-"  # no whole-command time recorded for these runs
@@ -43,7 +43,7 @@ def test_summary_table_statistics():
     assert a[7] == "200"
     results = {"a": [run([0.5, 0.9, 1.0]), run([0.5, 0.5, 0.95], minutes_per_eval=2.0)]}
     results["a"][0][0]["time/command"], results["a"][1][0]["time/command"] = 150.0, 300.0
-    a = [c.strip() for c in benchmark.summary_table(results).splitlines()[2].strip("|").split("|")]
+    a = [c.strip() for c in benchmark.summary_table(results, 0.9).splitlines()[2].strip("|").split("|")]
     assert a[3] == "3.8 (2.5-5.0)" and a[4] == "3.0 (2.0-4.0)" and a[5] == "2.5 (1.0-4.0)"
 
 
