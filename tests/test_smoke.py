@@ -54,9 +54,13 @@ def rows(output_dir):
         ("ppo.py", ["loss/value", "train/explained_variance", "train/advantage_std", "kl/ref", "rollout/kl_penalty"]),
     ],
 )
-def test_end_to_end_through_the_command_line(model_dir, tmp_path, script, keys):
-    result = run(script, "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_end_to_end_through_the_command_line(monkeypatch, model_dir, tmp_path, script, keys):
+    flags = ["--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL]
+    if script == "grpo.py":  # one script in a fresh interpreter, exactly as a user runs it
+        result = run(script, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:  # the others through the same command line, in this process (a fresh interpreter costs seconds of imports)
+        run_here(monkeypatch, script, *flags)
     logged = rows(tmp_path)
     assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
     for key in ["rollout/reward_mean", "rollout/response_length", "time/step", "train/responses", *keys]:
