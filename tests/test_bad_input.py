@@ -265,3 +265,10 @@ def test_sft_refuses_a_batch_larger_than_its_training_part(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         sft.warm_up(sft.Args(output_dir=str(tmp_path), batch_size=100000))
     assert str(exit_info.value.code) == "--batch-size 100000: at most the 8500 training problems"
+
+
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo], ids=lambda m: m.__name__)
+def test_the_built_in_model_is_refused_on_a_task_it_was_not_warmed_up_on(module):
+    refused(
+        module, "--task gsm8k: the built-in model knows only addition, scratchpad; pass --model-name-or-path", task="gsm8k"
+    )
