@@ -130,7 +130,7 @@ def _scratchpad_answer(completion: str) -> str | None:
 def make_scratchpad_task(num_eval: int = 500, num_problems: int = 20000) -> Task:
     """The built-in long-answer task: three-digit addition "482+396=" worked column by column with its carries
     ("2+6=8 8+9=17 4+3+1=8 =878", then EOS; see scratchpad_solution), rewarded on the final answer alone. A correct
-    response is 20 to 31 tokens long and its length depends on the carries; a model that loses its way can ramble
+    response is 21 to 31 tokens long (with EOS) and its length depends on the carries; a model that loses its way can ramble
     until --max-new-tokens (64 by default, twice the longest correct answer). `num_problems` distinct problems are
     drawn (fixed seed) from the million, and the held-out split is split by the unordered pair of operands."""
     import datasets
@@ -328,7 +328,7 @@ def load_local_first(load: Callable, path: str):
 def hub_unreachable(timeout: float = 5.0) -> str | None:
     """Why the Hugging Face hub cannot be reached, or None when it accepts a connection. One TCP connection with a short
     timeout, so that an offline machine is told so at once rather than after the hub client's minute of retries. With
-    HF_HUB_OFFLINE set the answer is "offline mode"; behind a proxy we cannot probe, so we let the hub client try."""
+    HF_HUB_OFFLINE set the answer says so; behind a proxy we cannot probe, so we let the hub client try."""
     import socket
     from urllib.parse import urlparse
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import common
 
-# default --total-steps per task: a scratchpad step (answers of 20-31 tokens) costs about four times an addition step
+# default --total-steps per task: a scratchpad step (answers of 21-31 tokens) costs about four times an addition step
 STEPS = {"addition": 200, "scratchpad": 100, "gsm8k": 200}
 
 

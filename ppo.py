@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import common
 
-# default --total-steps per task: a scratchpad step (answers of 20-31 tokens) costs about four times an addition step
+# default --total-steps per task: a scratchpad step (answers of 21-31 tokens) costs about four times an addition step
 STEPS = {"addition": 60, "scratchpad": 30, "gsm8k": 60}  # PPO: fewer, costlier steps
 
 

@@ -60,7 +60,7 @@ class Args:
 
 
 def task_args(task: str) -> Args:
-    """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 20-31
+    """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 21-31
     tokens long, so one step of the warm-up moves its accuracy less; it stops at about a third right, leaving room for
     RL, and its model needs positions for a prompt of 8 tokens and a response of up to 64."""
     if task == "scratchpad":

@@ -144,7 +144,7 @@ def test_scratchpad_task_is_fixed_disjoint_long_and_verified():
     a, b = map(int, train["prompt"][0].rstrip("=").split("+"))
     assert train["answer"][0] == str(a + b) and train["solution"][0] == common.scratchpad_solution(a, b)
     lengths = [len(s) + 1 for s in train["solution"]]  # one token per character, and EOS
-    assert min(lengths) >= 20 and max(lengths) <= 32 < task.max_new_tokens
+    assert min(lengths) == 21 and max(lengths) == 31 and 2 * max(lengths) < task.max_new_tokens
     # only the final answer counts: the number after the last lone "=", whatever the working says
     completions = ["2+6=8 8+9=17 4+3+1=8 =878", "1+1=5 =878", "2+6=8 8+9=17 4+3+1=8", "=877 =878", "x =87 8", "878"]
     assert task.reward(completions, ["878"] * 6).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
