@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -816,16 +817,40 @@ def load_reward_model(path: str, tokenizer, device: torch.device):
 
 class MetricsLogger:
     """Appends one JSON object per logged step to OUTPUT_DIR/metrics.jsonl, and the evaluation's sampled answers (the
-    "samples" entry of `evaluate`'s metrics), one JSON object each with the step, to OUTPUT_DIR/samples.jsonl."""
+    "samples" entry of `evaluate`'s metrics), one JSON object each with the step, to OUTPUT_DIR/samples.jsonl.
 
-    def __init__(self, output_dir: str):
+    With `resume_step` (--resume) both files keep their rows up to that step (those after it were logged by the
+    interrupted run after its last checkpoint, and will be logged again), new rows are appended, a step already in the
+    file is not written again, and time/elapsed goes on from the last kept row. `last` is the last kept row and
+    `last_eval` its latest evaluation ({} on a fresh run)."""
+
+    def __init__(self, output_dir: str, resume_step: int | None = None):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.file = open(self.path, "w")
-        self.samples = open(os.path.join(output_dir, "samples.jsonl"), "w")
-        self.start = time.time()
+        samples_path = os.path.join(output_dir, "samples.jsonl")
+        kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
+        self.file, self.samples = open(self.path, "w"), open(samples_path, "w")
+        for file, path in ((self.file, self.path), (self.samples, samples_path)):
+            file.writelines(json.dumps(row) + "\n" for row in kept[path])
+            file.flush()
+        rows = kept[self.path]
+        self.last = rows[-1] if rows else {}
+        self.last_eval = next(
+            ({k: v for k, v in r.items() if k.startswith("eval/")} for r in rows[::-1] if "eval/accuracy" in r), {}
+        )
+        self.done_step = -1 if resume_step is None else resume_step
+        self.start = time.time() - self.last.get("time/elapsed", 0.0)
+
+    @staticmethod
+    def _rows_up_to(path: str, step: int | None) -> list[dict]:
+        if step is None or not os.path.isfile(path):
+            return []
+        with open(path) as f:
+            return [row for row in map(json.loads, f) if row["step"] <= step]
 
     def log(self, step: int, metrics: dict) -> None:
+        if step <= self.done_step:  # already in the file (--resume)
+            return
         row = {"step": step, "time/elapsed": round(time.time() - self.start, 3)}
         row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items() if k != "samples"})
         self.file.write(json.dumps(row) + "\n")
@@ -833,10 +858,95 @@ class MetricsLogger:
         for sample in metrics.get("samples", []):
             self.samples.write(json.dumps({"step": step, **sample}) + "\n")
         self.samples.flush()
+        self.last = row
 
     def close(self) -> None:
         self.file.close()
         self.samples.close()
+
+
+class Checkpoint:
+    """--save-every and --resume: what a run needs to go on exactly as if it had never stopped, in
+    OUTPUT_DIR/checkpoint.pt. That is the weights the optimizer trains (the policy, and PPO's critic), the optimizer's
+    state, the step, the random number generators (`rng`, of the prompt order or the pair order; torch's, of sampling and
+    minibatch order; CUDA's) and whatever `extra()` returns (a script's own loop state). Frozen models (the reference,
+    a reward model) are reloaded as they were. The checkpoint is written every `--save-every` steps and after an
+    interrupt (Ctrl-C or SIGTERM: the step in progress finishes, the checkpoint is saved, the run exits with status 0;
+    a second Ctrl-C stops at once), to a side file renamed over the old one, so that a save cut short never replaces a
+    good checkpoint. With --resume the constructor restores it; `step` is then its step (0 on a fresh run) and `extra`
+    what extra() returned."""
+
+    def __init__(self, args, optimizer, rng, extra: Callable[[], dict] = dict):
+        import signal
+        import threading
+
+        self.path = os.path.join(args.output_dir, "checkpoint.pt")
+        self.save_every, self.optimizer, self.rng, self.get_extra = args.save_every, optimizer, rng, extra
+        self.step, self.resumed_step, self.extra, self.interrupted = 0, None, {}, False
+        if args.resume:
+            self.load()
+        self.handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {s: signal.signal(s, self.interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def interrupt(self, signum, frame) -> None:
+        if self.interrupted:  # a second Ctrl-C: stop now, without a checkpoint of this step
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("\ninterrupted: the step in progress finishes, then a checkpoint is saved", file=sys.stderr, flush=True)
+
+    def trained(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def rng_state(self):
+        return self.rng.get_state() if isinstance(self.rng, torch.Generator) else self.rng.getstate()
+
+    def save(self, step: int) -> None:
+        state = {
+            "step": step,
+            "trained": [p.detach().cpu() for p in self.trained()],
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self.rng_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "extra": self.get_extra(),
+        }
+        torch.save(state, self.path + ".partial")
+        os.replace(self.path + ".partial", self.path)
+
+    def load(self) -> None:
+        state = torch.load(self.path, weights_only=False)  # our own file: it holds Python RNG state, not only tensors
+        trained = self.trained()
+        if [p.shape for p in trained] != [p.shape for p in state["trained"]]:
+            raise SystemExit(f"--resume: {self.path} holds other weights than this run's model (another script or model?)")
+        with torch.no_grad():
+            for p, saved in zip(trained, state["trained"]):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.set_state(state["rng"]) if isinstance(self.rng, torch.Generator) else self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.step = self.resumed_step = state["step"]
+        self.extra = state["extra"]
+        print(f"resuming after step {self.step} from {self.path}")
+
+    def step_done(self, step: int) -> None:
+        """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits."""
+        if self.interrupted or (self.save_every and step % self.save_every == 0):
+            self.save(step)
+        if self.interrupted:
+            self.close()
+            print(f"saved the checkpoint of step {step} to {self.path}; continue with --resume", file=sys.stderr)
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Give Ctrl-C and SIGTERM back their previous handlers."""
+        import signal
+
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        self.handlers = {}
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -906,6 +1016,13 @@ def check_data_flags(args) -> None:
         raise SystemExit(f"--chat-template on: the tokenizer of {path!r} has no chat template (use auto or none)")
 
 
+def check_resume_flags(args) -> None:
+    """--save-every must be 0 or positive, and --resume needs a checkpoint in --output-dir."""
+    check_flag(args, "save_every", "must be 0 (only when interrupted) or positive", lambda v: v >= 0)
+    if args.resume and not os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt")):
+        raise SystemExit(f"--resume: no checkpoint.pt in --output-dir {args.output_dir!r} to continue from")
+
+
 def check_folders(args) -> None:
     """The last check: the output folder is created (or found) writable, and so is the cache when a warm-up is due."""
     check_writable_dir("--output-dir", args.output_dir)
@@ -925,6 +1042,7 @@ def check_common_args(args) -> None:
     check_flag(args, "total_steps", "must be 0 (the script's number for the task) or positive", lambda v: v >= 0)
     check_flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)
     check_flag(args, "num_eval", "must be at least 1", lambda v: v >= 1)
+    check_resume_flags(args)
     check_data_flags(args)
     if args.reward_model and not os.path.isfile(os.path.join(args.reward_model, "config.json")):
         raise SystemExit(f"--reward-model {args.reward_model!r}: not a folder with a config.json (see reward_model.py)")

@@ -52,6 +52,10 @@ class Args:
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+    save_every: int = 50
+    """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
+    resume: bool = False
+    """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
 
@@ -96,6 +100,7 @@ def check_args(args: Args) -> None:
     if args.batch_size % args.micro_batch_size:
         raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
     common.check_data_flags(args)
+    common.check_resume_flags(args)
     common.check_folders(args)
 
 
@@ -160,7 +165,6 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         common.enable_gradient_checkpointing(policy)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
-    logger = common.MetricsLogger(args.output_dir)
     if args.dataset:
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
     else:  # built once by the warm-up policy and cached, shared with reward_model.py; pairs_time is 0 from the cache
@@ -175,8 +179,9 @@ if __name__ == "__main__":
         ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
-    logger.start = time.time()  # time/elapsed counts training only; building the pairs is time/pairs
+    checkpoint = common.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
+    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     pairs_metrics = {
         "data/pairs": len(pairs),
         "data/skipped_prompts": skipped,
@@ -184,9 +189,9 @@ if __name__ == "__main__":
         "train/responses": generated,
     }
     logger.log(0, {**eval_metrics, **pairs_metrics})
-    order = torch.empty(0, dtype=torch.long)
+    order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
 
-    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(pairs), generator=generator)
@@ -218,6 +223,7 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(loss=f"{row['loss/dpo'].item():.3f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save
@@ -225,4 +231,5 @@ if __name__ == "__main__":
     policy.save_pretrained(os.path.join(args.output_dir, "model"))
     tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
     logger.close()
+    checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

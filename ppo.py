@@ -59,6 +59,10 @@ class Args:
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+    save_every: int = 50
+    """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
+    resume: bool = False
+    """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
     reward_model: str = ""
@@ -250,12 +254,13 @@ if __name__ == "__main__":
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
-    logger = common.MetricsLogger(args.output_dir)
     rng = random.Random(args.seed)
-    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    checkpoint = common.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
+    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: responses from the frozen behaviour policy pi_old, with their old log-probs and old values
         # -------------------------------------------------------------------------------------------------------------
@@ -372,6 +377,7 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save
@@ -379,4 +385,5 @@ if __name__ == "__main__":
     policy.save_pretrained(os.path.join(args.output_dir, "model"))
     tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
     logger.close()
+    checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")
