@@ -45,7 +45,7 @@ class Args:
     rlhf: bool = False
     """instead of the table: the learned-reward pipeline on addition, reward_model.py then ppo.py --reward-model for
     --rlhf-steps steps (one seed), into RUNS_DIR/rlhf, with its chart and summary in DOCS_DIR/rlhf"""
-    rlhf_steps: int = 300
+    rlhf_steps: int = 200
     memory: bool = False
     """instead of the table: the peak memory of one log-prob pass at Qwen2.5's vocabulary (8 responses of 256 tokens),
     without and with a gradient, against its fp32 logits, each in a fresh process (to DOCS_DIR/memory.md)"""

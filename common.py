@@ -62,6 +62,7 @@ class Task:
     extract_answer: Callable[[str], str | None]  # completion text -> the final answer it states (or None)
     max_new_tokens: int = 256  # the generation budget a script uses unless --max-new-tokens says otherwise
     instruction: str = ""  # the answer format, told to a chat model as its system message (default: INSTRUCTIONS[name])
+    chat: bool = False  # whether the prompts were rendered with a chat template (apply_chat_template)
 
     def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
@@ -279,15 +280,16 @@ def apply_chat_template(task: Task, tokenizer, mode: str) -> Task:
     instruction = task.instruction or INSTRUCTIONS.get(task.name, "")
 
     def render(prompt: str) -> str:
-        turns = [{"role": "system", "content": instruction}, {"role": "user", "content": prompt}]
+        turns = [{"role": "system", "content": instruction}] if instruction else []
+        turns.append({"role": "user", "content": prompt})
         try:
             return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         except TemplateError:  # e.g. no system role: the instruction opens the user turn
-            turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}"}]
+            turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}".strip()}]
             return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
     rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})  # noqa: E731
-    return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval))
+    return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -425,7 +427,7 @@ def enable_gradient_checkpointing(model) -> None:
         raise SystemExit("--gradient-checkpointing: this model has dropout, which the training mode it needs would turn on")
     if not model.supports_gradient_checkpointing:
         raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} does not support it")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
 
@@ -582,7 +584,8 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, t
     and their softmax temporaries are alive at a time, whatever B, T and V."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]  # (B, T)
-    if any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):  # the model's own forward, whole logits
+    head = model.get_output_embeddings()
+    if head is None or any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):  # its own forward: whole logits
         with autocast(input_ids.device):
             out = model(
                 input_ids,
@@ -599,7 +602,6 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, t
                 input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
         hidden = hidden[:, -completion_len - 1 : -1].reshape(-1, hidden.shape[-1])  # (B T, H): t predicts token t
-        head = model.get_output_embeddings()
         size = max(1, LOGITS_CHUNK // head.weight.shape[0])  # positions per chunk
         pieces = []
         for h, y in zip(hidden.split(size), targets.reshape(-1).split(size)):
@@ -740,7 +742,7 @@ def verifier_pairs(args, task: Task, load_policy: Callable, device: torch.device
 
     model_path = resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
     recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
-    recipe += [args.max_new_tokens] + ([args.chat_template] if getattr(args, "chat_template", "auto") != "auto" else [])
+    recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
     key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
     pairs_dir = os.path.join(cache_root(args.cache_dir), f"dpo-pairs-{key}")
     if os.path.isdir(pairs_dir):
@@ -845,8 +847,14 @@ class MetricsLogger:
     def _rows_up_to(path: str, step: int | None) -> list[dict]:
         if step is None or not os.path.isfile(path):
             return []
+        rows = []
         with open(path) as f:
-            return [row for row in map(json.loads, f) if row["step"] <= step]
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut short when the interrupted run was killed
+                    break
+        return [row for row in rows if row["step"] <= step]
 
     def log(self, step: int, metrics: dict) -> None:
         if step <= self.done_step:  # already in the file (--resume)
@@ -915,7 +923,9 @@ class Checkpoint:
         os.replace(self.path + ".partial", self.path)
 
     def load(self) -> None:
-        state = torch.load(self.path, weights_only=False)  # our own file: it holds Python RNG state, not only tensors
+        state = torch.load(
+            self.path, map_location="cpu", weights_only=False
+        )  # our own file: it holds Python RNG state, not only tensors
         trained = self.trained()
         if [p.shape for p in trained] != [p.shape for p in state["trained"]]:
             raise SystemExit(f"--resume: {self.path} holds other weights than this run's model (another script or model?)")

@@ -14,6 +14,7 @@ Departures from the paper:
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. No KL term (beta = 0), as in the paper; |y| counts the EOS token. Dynamic sampling filters groups on the
    verifier's score, as eq. 11 does on accuracy; the advantage then sees the shaped reward (score + overlong penalty).
+   With --reward-model it filters on the learned scores, which are never all equal: every group is kept.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 """

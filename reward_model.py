@@ -60,6 +60,9 @@ class Args:
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
     """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    chat_template: str = "auto"
+    """auto: prompts rendered with the tokenizer's chat template when it has one (as the RL scripts do: the reward model
+    must read the prompts they will feed it); none: plain prompts; on: like auto, but a template is required"""
     output_dir: str = ""
     """where metrics.jsonl and the reward model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
@@ -100,6 +103,7 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_shared_args(args)
+    common.check_data_flags(args)
     for flag in ("learning_rate", "max_grad_norm"):
         common.check_flag(args, flag, "must be positive", lambda v: v > 0)
     common.check_flag(args, "center_coef", "must be 0 (off) or positive", lambda v: v >= 0)
@@ -110,8 +114,6 @@ def check_args(args: Args) -> None:
     common.check_flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
     if args.batch_size % args.micro_batch_size:
         raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
-    if args.dataset and not os.path.exists(args.dataset) and not common.looks_like_hub_id(args.dataset):
-        raise SystemExit(f"--dataset {args.dataset!r}: no such file or folder, and not a hub id")
     common.check_folders(args)
 
 
@@ -193,19 +195,6 @@ if __name__ == "__main__":
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     # a user's data set is read before any model is loaded
     user_pairs = common.load_preference_dataset(args.dataset) if args.dataset else None
-    logger = common.MetricsLogger(args.output_dir)
-    if args.dataset:
-        pairs, skipped, pairs_time = user_pairs, 0, 0.0
-    else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
-        load_policy = lambda: common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)  # noqa: E731
-        pairs, skipped, pairs_time = common.verifier_pairs(args, task, load_policy, device)
-    train_pairs, eval_pairs = split_pairs(pairs, args.num_eval_pairs, by_operands=not args.dataset)
-    if len(train_pairs) < args.batch_size or len(eval_pairs) == 0:
-        raise SystemExit(
-            f"{len(pairs)} preference pairs ({skipped} prompts skipped): {len(eval_pairs)} held out by problem leave "
-            f"{len(train_pairs)} to train on, fewer than --batch-size {args.batch_size} (or none held out)"
-        )
-    print(f"{len(pairs)} preference pairs: {len(train_pairs)} to train on, {len(eval_pairs)} held out")
     # the warm-up policy's body with a new one-output head; models stay in eval mode throughout (no dropout)
     model, tokenizer = common.load_model_and_tokenizer(
         args.model_name_or_path, args.cache_dir, device, args.task, AutoModelForSequenceClassification, num_labels=1
@@ -213,6 +202,22 @@ if __name__ == "__main__":
     model.config.pad_token_id = tokenizer.pad_token_id  # so that the saved model also works with the library's pooling
     if args.gradient_checkpointing:
         common.enable_gradient_checkpointing(model)
+    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the policy will read them
+    logger = common.MetricsLogger(args.output_dir)
+    if args.dataset:
+        pairs, skipped, pairs_time = user_pairs, 0, 0.0
+    else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
+        load_policy = lambda: common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)  # noqa: E731
+        pairs, skipped, pairs_time = common.verifier_pairs(args, task, load_policy, device)
+    # the built-in tasks' plain prompts are split by operands (a problem and its twin together), anything else by prompt
+    by_operands = not args.dataset and args.task in common.BUILTIN_TASKS and not task.chat
+    train_pairs, eval_pairs = split_pairs(pairs, args.num_eval_pairs, by_operands)
+    if len(train_pairs) < args.batch_size or len(eval_pairs) == 0:
+        raise SystemExit(
+            f"{len(pairs)} preference pairs ({skipped} prompts skipped): {len(eval_pairs)} held out by problem leave "
+            f"{len(train_pairs)} to train on, fewer than --batch-size {args.batch_size} (or none held out)"
+        )
+    print(f"{len(pairs)} preference pairs: {len(train_pairs)} to train on, {len(eval_pairs)} held out")
     train_data = common.tokenize_pairs(tokenizer, train_pairs[:], device)
     eval_data = common.tokenize_pairs(tokenizer, eval_pairs[:], device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
