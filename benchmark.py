@@ -307,7 +307,7 @@ def memory_table() -> str:
             code = f"import benchmark, json; print(json.dumps(benchmark.memory_probe({whole}, {grad})))"
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             m = json.loads(done.stdout.strip().splitlines()[-1])
-            assert m["blind_below"] < 0.1 * m["extra_peak"], m  # the measurement would be blind to this peak
+            assert m["extra_peak"] > m["blind_below"], m  # else the high-water mark predates this pass: no measurement
             gib = lambda b: b / 2**30  # noqa: E731
             cells = [f"{label}, {'with gradient (forward + backward)' if grad else 'no gradient'}"]
             cells += [f"{gib(m['extra_peak']):.2f}", f"{gib(m['logits']):.2f}", f"{m['extra_peak'] / m['logits']:.2f}"]

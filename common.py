@@ -377,6 +377,9 @@ def check_model_path(name: str) -> None:
         raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise SystemExit(f"--model-name-or-path {name!r}: no config.json in this folder (save a model with save_pretrained)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
+        raise SystemExit(f"--model-name-or-path {name!r}: no tokenizer in this folder (save it too, with save_pretrained)")
 
 
 def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str:

@@ -71,14 +71,14 @@ class Args:
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
 
     # Algorithm specific arguments
-    total_steps: int = 300
-    """optimizer steps (about seven epochs over the built-in addition pairs)"""
+    total_steps: int = 600
+    """optimizer steps (about 13 epochs over the built-in addition pairs; held-out accuracy still rose at 300)"""
     batch_size: int = 64
     """pairs per optimizer step"""
     micro_batch_size: int = 0
     """pairs per forward/backward pass, for memory (0: the whole batch); does not change the gradient"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate"""
+    learning_rate: float = 3e-4
+    """AdamW learning rate (1e-4 reached 70% held out in 300 steps, 3e-4 86% in 600)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     center_coef: float = 0.01

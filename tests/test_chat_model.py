@@ -135,7 +135,7 @@ def test_bad_model_folders_and_data_are_refused_in_one_line(chat_model_dir, data
     for name in os.listdir(chat_model_dir):
         if not name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(os.path.join(chat_model_dir, name), weights_only / name)
-    with pytest.raises(SystemExit, match="cannot load a model and its tokenizer from this folder") as info:
+    with pytest.raises(SystemExit, match="no tokenizer in this folder") as info:
         common.load_model_and_tokenizer(str(weights_only), "", torch.device("cpu"))
     assert "\n" not in str(info.value.code)
     no_answer = tmp_path / "no_answer.jsonl"
