@@ -202,7 +202,7 @@ def plot_overoptimisation(ppo_rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r for r in ppo_rows if "rollout/reward_mean" in r and "kl/ref" in r]
-    evals = [r for r in ppo_rows if "eval/accuracy" in r and "kl/ref" in r]
+    evals = [r for r in ppo_rows if "eval/accuracy" in r]  # step 0 too: the warm-up, at KL 0
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, x, xlabel in ((axes[0], response_kl, "KL to the reference per response (nats)"), (axes[1], None, "step")):
         xs = [x(r) if x else r["step"] for r in steps]
@@ -213,11 +213,11 @@ def plot_overoptimisation(ppo_rows: list[dict], path: str) -> None:
         gold = gold_ax.plot(
             xs, smooth([r["rollout/gold_accuracy"] for r in steps]), color="tab:blue", label="gold: accuracy of samples"
         )
-        xe = [x(r) if x else r["step"] for r in evals]
+        xe = [(x(r) if "kl/ref" in r else 0.0) if x else r["step"] for r in evals]
         held = gold_ax.plot(xe, [r["eval/accuracy"] for r in evals], "o--", color="tab:green", label="gold: held-out, greedy")
         gold_ax.set_ylabel("verifier accuracy")
         ax.grid(alpha=0.3)
-    axes[0].legend(proxy + gold + held, [line.get_label() for line in proxy + gold + held], fontsize=8, loc="lower right")
+    axes[0].legend(proxy + gold + held, [line.get_label() for line in proxy + gold + held], fontsize=8, loc="center right")
     fig.suptitle("PPO against a learned reward model (addition; rollout curves: 10-step moving average)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
