@@ -42,6 +42,14 @@ class Args:
     """where the runs go"""
     docs_dir: str = "docs"
     """where the charts and the table go"""
+    rlhf: bool = False
+    """instead of the table: the learned-reward pipeline on addition, reward_model.py then ppo.py --reward-model for
+    --rlhf-steps steps (one seed), into RUNS_DIR/rlhf, with its chart and summary in DOCS_DIR/rlhf"""
+    rlhf_steps: int = 200
+    memory: bool = False
+    """instead of the table: the peak memory of one log-prob pass at Qwen2.5's vocabulary (8 responses of 256 tokens),
+    without and with a gradient, against its fp32 logits, each in a fresh process (to DOCS_DIR/memory.md)"""
+    """ppo.py steps against the learned reward model: long enough to see whether the gold accuracy follows the proxy"""
 
 
 def run_all(args: Args, task: str) -> dict:
@@ -53,30 +61,37 @@ def run_all(args: Args, task: str) -> dict:
     for algorithm in args.algorithms:
         results[algorithm] = []
         for seed in args.seeds:
+            flags = ["--task", task, "--seed", str(seed)]
+            if args.quick:
+                flags += ["--total-steps", "10", "--eval-every", "5"] + (
+                    ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
+                )
             out = os.path.join(args.runs_dir, task, f"{algorithm}__{seed}")
-            path = os.path.join(out, "metrics.jsonl")
-            if args.fresh or not complete(path):
-                flags = ["--task", task, "--seed", str(seed), "--output-dir", out]
-                if args.quick:
-                    flags += ["--total-steps", "10", "--eval-every", "5"] + (
-                        ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
-                    )
-                print(f"{task}: {algorithm} seed {seed} ...", flush=True)
-                start = time.time()
-                env = {**os.environ, "TQDM_DISABLE": "1"}
-                done = subprocess.run([sys.executable, f"{algorithm}.py", *flags], env=env, capture_output=True, text=True)
-                if done.returncode:
-                    raise SystemExit(f"{task}: {algorithm} seed {seed} failed:\n{done.stderr[-3000:]}")
-                print(f"  {time.time() - start:.0f}s: {done.stdout.strip().splitlines()[-1]}", flush=True)
-                with open(os.path.join(out, "command.json"), "w") as f:
-                    json.dump({"seconds": time.time() - start}, f)  # the whole command: loading, training, evaluation
-            with open(path) as f:
-                rows = [json.loads(line) for line in f]
-            if os.path.isfile(os.path.join(out, "command.json")):
-                with open(os.path.join(out, "command.json")) as f:
-                    rows[0]["time/command"] = json.load(f)["seconds"]
-            results[algorithm].append(rows)
+            results[algorithm].append(run_once(algorithm, flags, out, args.fresh, f"{task}: {algorithm} seed {seed}"))
     return results
+
+
+def run_once(script: str, flags: list[str], out: str, fresh: bool, label: str) -> list[dict]:
+    """`python SCRIPT.py FLAGS --output-dir OUT`, unless a complete run is already there (and not `fresh`); return the
+    rows of its metrics.jsonl, the first one with time/command (the whole command's seconds) when it was recorded."""
+    path = os.path.join(out, "metrics.jsonl")
+    if fresh or not complete(path):
+        print(f"{label} ...", flush=True)
+        start = time.time()
+        env = {**os.environ, "TQDM_DISABLE": "1"}
+        cmd = [sys.executable, f"{script}.py", *flags, "--output-dir", out]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
+        print(f"  {time.time() - start:.0f}s: {done.stdout.strip().splitlines()[-1]}", flush=True)
+        with open(os.path.join(out, "command.json"), "w") as f:
+            json.dump({"seconds": time.time() - start}, f)  # the whole command: loading, training, evaluation
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    if os.path.isfile(os.path.join(out, "command.json")):
+        with open(os.path.join(out, "command.json")) as f:
+            rows[0]["time/command"] = json.load(f)["seconds"]
+    return rows
 
 
 def complete(path: str) -> bool:
@@ -157,6 +172,149 @@ def plot(results: dict, key: str, ylabel: str, path: str, x: str = "time/elapsed
     plt.close(fig)
 
 
+def run_rlhf(args: Args) -> tuple[list[dict], list[dict]]:
+    """The three stages on addition: the cached warm-up (sft.py), reward_model.py on dpo.py's verifier-labelled pairs,
+    then ppo.py with --reward-model, the verifier only logged (the gold measure). Returns both runs' rows."""
+    out = os.path.join(args.runs_dir, "rlhf")
+    rm = run_once("reward_model", ["--seed", "1"], f"{out}/reward_model__1", args.fresh, "rlhf: reward_model")
+    flags = ["--seed", "1", "--reward-model", f"{out}/reward_model__1/model", "--total-steps", str(args.rlhf_steps)]
+    ppo = run_once("ppo", [*flags, "--eval-every", "10"], f"{out}/ppo__1", args.fresh, "rlhf: ppo against it")
+    return rm, ppo
+
+
+def response_kl(row: dict) -> float:
+    """KL to the reference per response (the k1 sum over its tokens, averaged over the batch): kl/ref is the mean over
+    the batch's tokens and rollout/response_length their count per response, so their product is exactly that."""
+    return row["kl/ref"] * row["rollout/response_length"]
+
+
+def smooth(values: list[float], window: int = 10) -> list[float]:
+    """Trailing moving average (the per-step rollout numbers are means over 256 responses, still noisy)."""
+    return [statistics.mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def plot_overoptimisation(ppo_rows: list[dict], path: str) -> None:
+    """The proxy (the learned reward the policy maximises) and the gold measure (the verifier's accuracy, on the
+    sampled responses and greedy on the held-out problems) against the KL to the reference, and against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in ppo_rows if "rollout/reward_mean" in r and "kl/ref" in r]
+    evals = [r for r in ppo_rows if "eval/accuracy" in r]  # step 0 too: the warm-up, at KL 0
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, x, xlabel in ((axes[0], response_kl, "KL to the reference per response (nats)"), (axes[1], None, "step")):
+        xs = [x(r) if x else r["step"] for r in steps]
+        proxy = ax.plot(xs, smooth([r["rollout/reward_mean"] for r in steps]), color="tab:red", label="proxy: learned reward")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("learned reward (sampled responses)", color="tab:red")
+        gold_ax = ax.twinx()
+        gold = gold_ax.plot(
+            xs, smooth([r["rollout/gold_accuracy"] for r in steps]), color="tab:blue", label="gold: accuracy of samples"
+        )
+        xe = [(x(r) if "kl/ref" in r else 0.0) if x else r["step"] for r in evals]
+        held = gold_ax.plot(xe, [r["eval/accuracy"] for r in evals], "o--", color="tab:green", label="gold: held-out, greedy")
+        gold_ax.set_ylabel("verifier accuracy")
+        ax.grid(alpha=0.3)
+    axes[0].legend(proxy + gold + held, [line.get_label() for line in proxy + gold + held], fontsize=8, loc="center right")
+    fig.suptitle("PPO against a learned reward model (addition; rollout curves: 10-step moving average)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rlhf_summary(rm_rows: list[dict], ppo_rows: list[dict]) -> str:
+    """A few lines of markdown: the reward model's held-out accuracy, and the PPO run's gold accuracy and proxy."""
+    rm_evals = [r for r in rm_rows if "eval/pairwise_accuracy" in r]
+    evals = [r for r in ppo_rows if "eval/accuracy" in r]
+    best = max(evals, key=lambda r: r["eval/accuracy"])
+    steps = [r for r in ppo_rows if "rollout/reward_mean" in r]
+    first, last = steps[:10], steps[-10:]
+    mean = lambda rows, key: statistics.mean(r[key] for r in rows)  # noqa: E731
+    minutes = lambda rows: f"{rows[0]['time/command'] / 60:.1f}" if "time/command" in rows[0] else "-"  # noqa: E731
+    return "\n".join(
+        [
+            f"- reward_model.py: {rm_rows[0]['data/pairs']} training pairs, {rm_rows[0]['data/eval_pairs']} held out; "
+            f"held-out pairwise accuracy {rm_evals[0]['eval/pairwise_accuracy']:.3f} -> "
+            f"{rm_evals[-1]['eval/pairwise_accuracy']:.3f} (best {max(r['eval/pairwise_accuracy'] for r in rm_evals):.3f}); "
+            f"{minutes(rm_rows)} minutes (whole command)",
+            f"- ppo.py --reward-model: gold held-out accuracy {evals[0]['eval/accuracy']:.3f} at the start, best "
+            f"{best['eval/accuracy']:.3f} at step {best['step']}, {evals[-1]['eval/accuracy']:.3f} at step "
+            f"{evals[-1]['step']}; {minutes(ppo_rows)} minutes (whole command)",
+            f"- proxy (learned reward of the samples, mean of 10 steps): {mean(first, 'rollout/reward_mean'):.3f} at the "
+            f"start, {mean(last, 'rollout/reward_mean'):.3f} at the end; gold accuracy of the samples "
+            f"{mean(first, 'rollout/gold_accuracy'):.3f} -> {mean(last, 'rollout/gold_accuracy'):.3f}; KL to the reference "
+            f"per response {statistics.mean(response_kl(r) for r in last):.3f} nats at the end",
+        ]
+    )
+
+
+def memory_probe(whole: bool, grad: bool, vocab: int = 151_936, batch: int = 8, prompt: int = 16, completion: int = 256):
+    """In this (fresh) process: the peak resident memory added by one common.completion_logprobs pass, without or with
+    its backward, on a one-layer Llama with Qwen2.5's vocabulary (hidden size 64, tied embeddings: the logits dominate as
+    they do at real scale), as a dict with the size of the pass's fp32 logits. `whole` forces the model's own forward,
+    which holds the whole logits (the path before the chunked output layer, kept for models that transform logits)."""
+    import resource
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=prompt + completion,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    if whole:
+        common.LOGIT_TRANSFORMS = ("vocab_size",)  # every config has one: the model's own forward
+    ids = torch.randint(vocab, (batch, prompt + completion))
+    attention = torch.ones_like(ids)
+
+    def one_pass(n, t):
+        with torch.set_grad_enabled(grad):
+            logprobs, _ = common.completion_logprobs(model, ids[:n, -t - prompt :], attention[:n, -t - prompt :], t, 1.0)
+            if grad:
+                logprobs.sum().backward()
+        model.zero_grad(set_to_none=False)  # gradient buffers stay allocated: counted before the pass
+
+    one_pass(1, 4)  # libraries loaded and gradient buffers allocated before the measurement
+    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731  (kilobytes on Linux)
+    before, high_before = rss(), peak()
+    one_pass(batch, completion)
+    return {
+        "extra_peak": peak() - before,
+        "blind_below": max(0, high_before - before),  # an extra peak below this would not show in ru_maxrss
+        "logits": batch * completion * vocab * 4,
+    }
+
+
+def memory_table() -> str:
+    """memory_probe for each path, with and without a gradient, each in its own process; a markdown table."""
+    lines = [
+        "| log-prob pass (8 x 256 completion tokens, vocabulary 151,936) | peak added (GiB) | fp32 logits (GiB) | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for whole, label in ((True, "whole logits (model forward)"), (False, "chunked output layer (common.py)")):
+        for grad in (False, True):
+            code = f"import benchmark, json; print(json.dumps(benchmark.memory_probe({whole}, {grad})))"
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            m = json.loads(done.stdout.strip().splitlines()[-1])
+            assert m["extra_peak"] > m["blind_below"], m  # else the high-water mark predates this pass: no measurement
+            gib = lambda b: b / 2**30  # noqa: E731
+            cells = [f"{label}, {'with gradient (forward + backward)' if grad else 'no gradient'}"]
+            cells += [f"{gib(m['extra_peak']):.2f}", f"{gib(m['logits']):.2f}", f"{m['extra_peak'] / m['logits']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def zero_variance_fraction(results: dict) -> dict:
     """Add rollout/zero_std_frac = all-correct + all-wrong group fractions, where both are logged."""
     for runs in results.values():
@@ -189,6 +347,20 @@ if __name__ == "__main__":
         raise SystemExit(f"--tasks {' '.join(args.tasks)}: allowed values are {', '.join(common.BUILTIN_TASKS)}")
     for flag, path in (("--runs-dir", args.runs_dir), ("--docs-dir", args.docs_dir)):  # before an hour of runs
         common.check_writable_dir(flag, path)
+    if args.memory:
+        table = memory_table()
+        with open(os.path.join(args.docs_dir, "memory.md"), "w") as f:
+            f.write(f"`python benchmark.py --memory` (peak resident memory, CPU, each pass in a fresh process)\n\n{table}\n")
+        print(table)
+        raise SystemExit(0)
+    if args.rlhf:
+        rm_rows, ppo_rows = run_rlhf(args)
+        os.makedirs(os.path.join(args.docs_dir, "rlhf"), exist_ok=True)
+        plot_overoptimisation(ppo_rows, os.path.join(args.docs_dir, "rlhf", "overoptimisation.png"))
+        with open(os.path.join(args.docs_dir, "rlhf", "results.md"), "w") as f:
+            f.write(rlhf_summary(rm_rows, ppo_rows) + "\n")
+        print(rlhf_summary(rm_rows, ppo_rows))
+        raise SystemExit(0)
     for task in args.tasks:
         results = zero_variance_fraction(run_all(args, task))
         d = os.path.join(args.docs_dir, task)

@@ -1,5 +1,6 @@
 """Plumbing shared by every script: seeding, device, the built-in task and its reward, the built-in tiny model,
-sampling, evaluation and metrics logging. No advantage estimator and no loss lives here: those are in the scripts."""
+sampling, evaluation, preference pairs, reward-model scoring and metrics logging.
+No advantage estimator and no loss lives here: those are in the scripts."""
 
 import dataclasses
 import functools
@@ -9,13 +10,16 @@ import math
 import os
 import random
 import re
+import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from safetensors import SafetensorError
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -57,6 +61,8 @@ class Task:
     eval: "datasets.Dataset"  # noqa: F821  fixed held-out split, never trained on
     extract_answer: Callable[[str], str | None]  # completion text -> the final answer it states (or None)
     max_new_tokens: int = 256  # the generation budget a script uses unless --max-new-tokens says otherwise
+    instruction: str = ""  # the answer format, told to a chat model as its system message (default: INSTRUCTIONS[name])
+    chat: bool = False  # whether the prompts were rendered with a chat template (apply_chat_template)
 
     def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
         """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
@@ -182,9 +188,108 @@ TASKS: dict[str, Callable[[], Task]] = {
 BUILTIN_TASKS = ("addition", "scratchpad")  # the tasks the built-in model can be warmed up on
 
 
-def make_task(name: str) -> Task:
-    """The task called `name` (checked by check_common_args before anything expensive)."""
-    return TASKS[name]()
+# Each task's verifier and generation budget, for a user's data scored like the task (--dataset), and the system
+# message a chat model gets: the answer format, which is all the verifier reads.
+VERIFIERS = {"addition": (_addition_answer, 8), "scratchpad": (_scratchpad_answer, 64), "gsm8k": (_gsm8k_answer, 256)}
+INSTRUCTIONS = {
+    "addition": "Add the two numbers. Reply with the digits of the sum in reverse order, ones digit first, and nothing else.",
+    "scratchpad": "Add the two numbers column by column from the ones digit, like 2+6=8 8+9=17 4+3+1=8, then = and the sum.",
+    "gsm8k": "Solve the problem step by step. End your reply with the final answer as a plain number.",
+}
+
+
+def make_task(name: str, dataset: str = "", num_eval: int = 500) -> Task:
+    """The task called `name` (checked by check_common_args before anything expensive). With `dataset` (--dataset), a
+    user's prompt / answer rows replace its data and are scored by its verifier; `num_eval` of them (at most half) are
+    held out for evaluation, split by prompt, so that no prompt is both trained on and evaluated."""
+    if not dataset:
+        return TASKS[name]()
+    import datasets
+
+    rows = load_data_set(dataset, "--dataset", ("prompt", "answer"))
+    rows = datasets.Dataset.from_dict(
+        {"prompt": [str(p) for p in rows["prompt"]], "answer": [str(a).strip() for a in rows["answer"]]}
+    )
+    if len(set(rows["prompt"])) < 2:
+        raise SystemExit(f"--dataset {dataset!r}: needs at least two distinct prompts (one to train on, one held out)")
+    train, held_out = split_by_key(rows, min(num_eval, len(rows) // 2), lambda row: row["prompt"], seed=1234)
+    if name in VERIFIERS:
+        extract_answer, max_new_tokens = VERIFIERS[name]
+    else:  # a task of your own: its verifier and budget, from the task itself
+        own = TASKS[name]()
+        extract_answer, max_new_tokens = own.extract_answer, own.max_new_tokens
+    return Task(name, train, held_out, extract_answer, max_new_tokens)
+
+
+def load_data_set(path: str, flag: str, columns: tuple[str, ...]):
+    """A data set a user names with `flag`: a .json, .jsonl, .csv or .parquet file, a folder saved with `save_to_disk`,
+    or a hub id, with `columns`. Anything else is refused in one line naming the flag, before any model is loaded."""
+    import datasets
+
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    extension = os.path.splitext(path)[1].lower()
+    if os.path.isfile(path) and extension not in builders:
+        raise SystemExit(
+            f"{flag} {path!r}: cannot read {extension or 'this'} files; give .json, .jsonl, .csv, .parquet or a folder"
+        )
+    try:
+        if os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+            ds = ds["train"] if isinstance(ds, datasets.DatasetDict) and "train" in ds else ds
+        elif os.path.isfile(path):
+            ds = datasets.load_dataset(builders[extension], data_files=path, split="train")
+        else:
+            with offline_unless_hub_reachable():
+                ds = datasets.load_dataset(path, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
+        raise SystemExit(f"{flag} {path!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise SystemExit(f"{flag} {path!r}: holds several splits and none is called train")
+    missing = set(columns) - set(ds.column_names)
+    if missing:
+        raise SystemExit(
+            f"{flag} {path!r}: missing column(s) {', '.join(sorted(missing))} (it has {', '.join(ds.column_names)})"
+        )
+    return ds
+
+
+def has_chat_template(path: str) -> bool | None:
+    """Whether the tokenizer saved in the folder `path` has a chat template (None: not a folder, so unknown yet)."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")) or os.path.isfile(os.path.join(path, "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def apply_chat_template(task: Task, tokenizer, mode: str) -> Task:
+    """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
+    conversation, the task's answer format as the system message (INSTRUCTIONS), the prompt as the user turn, then the
+    generation prompt; with 'none' (or 'auto' and no template, as for base models) the prompts stay plain text. A
+    template that refuses a system role gets the instruction at the head of the user turn instead."""
+    if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
+        return task
+    if not tokenizer.chat_template:
+        raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
+    from jinja2.exceptions import TemplateError
+
+    instruction = task.instruction or INSTRUCTIONS.get(task.name, "")
+
+    def render(prompt: str) -> str:
+        turns = [{"role": "system", "content": instruction}] if instruction else []
+        turns.append({"role": "user", "content": prompt})
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except TemplateError:  # e.g. no system role: the instruction opens the user turn
+            turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}".strip()}]
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+    rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})  # noqa: E731
+    return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -272,6 +377,9 @@ def check_model_path(name: str) -> None:
         raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise SystemExit(f"--model-name-or-path {name!r}: no config.json in this folder (save a model with save_pretrained)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
+        raise SystemExit(f"--model-name-or-path {name!r}: no tokenizer in this folder (save it too, with save_pretrained)")
 
 
 def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str:
@@ -290,15 +398,17 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     return path
 
 
-def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, task: str = "addition"):
+def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, task: str = "addition", auto_class=None, **kw):
     """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model
-    (warmed up on `task`) and for a hub model alike."""
+    (warmed up on `task`) and for a hub model alike. `auto_class` loads another head on the same body, e.g.
+    AutoModelForSequenceClassification with num_labels=1 (passed on in `kw`) for a reward model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name, cache_dir, task)
-    load = lambda **kw: (  # noqa: E731
-        AutoTokenizer.from_pretrained(path, padding_side="left", **kw),
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw),
+    auto_class = auto_class or AutoModelForCausalLM
+    load = lambda **local: (  # noqa: E731
+        AutoTokenizer.from_pretrained(path, padding_side="left", **local),
+        auto_class.from_pretrained(path, dtype=torch.float32, **kw, **local),
     )
     try:
         tokenizer, model = load_local_first(load, path)
@@ -307,6 +417,21 @@ def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, ta
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
     return model.to(device), tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing: the library's activation checkpointing, each decoder layer's activations recomputed in
+    the backward pass instead of stored (less memory for about one more forward pass of time; the gradient is the same).
+    The library checkpoints only in training mode, so the model is switched to it, which is safe only without dropout:
+    that is checked, since every other model here stays in eval mode so that the on-policy ratio is exactly 1."""
+    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    rates += [getattr(model.config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop")]
+    if any(isinstance(r, (int, float)) and r > 0 for r in rates):
+        raise SystemExit("--gradient-checkpointing: this model has dropout, which the training mode it needs would turn on")
+    if not model.supports_gradient_checkpointing:
+        raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
 
 
 def load_local_first(load: Callable, path: str):
@@ -439,26 +564,68 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     return completion_ids, completion_mask(completion_ids, eos_ids), truncated
 
 
+# Entries of the (positions, vocabulary) logits computed at once: 2^24 floats, 64 MB in fp32 (110 positions at Qwen2.5's
+# vocabulary of 151,936, the whole batch at the built-in model's 18 tokens).
+LOGITS_CHUNK = 2**24
+
+# Config fields of models that transform their logits after the output layer (Gemma 2's softcapping, Cohere's and
+# Granite's scaling): completion_logprobs then uses the model's own forward, which holds the pass's whole logits.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
 def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float, entropy_grad=False):
     """log pi(y_t | x, y_<t) of each of the last `completion_len` tokens of `input_ids`, computed from logits / temperature
     so that they are the log-probs of the distribution the tokens were sampled from. Returns logprobs (B, T) and the
     entropy of each of those next-token distributions (B, T; with a gradient only if `entropy_grad`). Positions run
-    from each row's first real token, exactly as in `generate`."""
+    from each row's first real token, exactly as in `generate`.
+
+    Memory: the logits of the whole pass, (B, T, V) in fp32, would be the largest tensor of a step at a real vocabulary,
+    and a plain log_softmax and entropy hold several copies of them. They are never materialised here: the body's last
+    hidden states at the completion positions go through the output layer LOGITS_CHUNK // V positions at a time. Without
+    a gradient each chunk is freed before the next; with one, each chunk is recomputed in the backward pass instead of
+    being kept (activation checkpointing of the output layer: one more pass through it). Either way one chunk's logits
+    and their softmax temporaries are alive at a time, whatever B, T and V."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    with autocast(input_ids.device):
-        out = model(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=completion_len + 1,
-            use_cache=False,
-        )
-    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts completion token t
-    all_logprobs = torch.log_softmax(logits, dim=-1)
-    logprobs = all_logprobs.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)  # (B, T)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)  # (B, T)
-    return logprobs, entropy
+    targets = input_ids[:, -completion_len:]  # (B, T)
+    head = model.get_output_embeddings()
+    if head is None or any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS):  # its own forward: whole logits
+        with autocast(input_ids.device):
+            out = model(
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=completion_len + 1,
+                use_cache=False,
+            )
+        logprobs, entropy = head_logprobs(None, out.logits[:, :-1], targets, temperature)
+    else:
+        with autocast(input_ids.device):
+            body = getattr(model, model.base_model_prefix)
+            hidden = body(
+                input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+        hidden = hidden[:, -completion_len - 1 : -1].reshape(-1, hidden.shape[-1])  # (B T, H): t predicts token t
+        size = max(1, LOGITS_CHUNK // head.weight.shape[0])  # positions per chunk
+        pieces = []
+        for h, y in zip(hidden.split(size), targets.reshape(-1).split(size)):
+            if torch.is_grad_enabled():
+                pieces.append(torch.utils.checkpoint.checkpoint(head_logprobs, head, h, y, temperature, use_reentrant=False))
+            else:
+                pieces.append(head_logprobs(head, h, y, temperature))
+        logprobs, entropy = (torch.cat(x).view_as(targets) for x in zip(*pieces))
+    return logprobs, entropy if entropy_grad and torch.is_grad_enabled() else entropy.detach()
+
+
+def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """log softmax(logits / temperature) at `targets`, and the entropy of that distribution, for positions whose
+    hidden states are `hidden` (..., H) through the output layer `head` (or whose logits are `hidden`, with head None).
+    Returns two tensors shaped like `targets`."""
+    if head is not None:
+        with autocast(hidden.device):
+            hidden = head(hidden)
+    all_logprobs = torch.log_softmax(hidden.float() / temperature, dim=-1)  # (..., V)
+    entropy = -(all_logprobs.exp() * all_logprobs).sum(dim=-1)
+    return all_logprobs.gather(-1, targets[..., None]).squeeze(-1), entropy
 
 
 @torch.no_grad()
@@ -496,21 +663,32 @@ def decode(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, truncate
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, batch_size: int = 512) -> dict:
-    """Greedy accuracy on the task's fixed held-out split (or on `dataset`)."""
+def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, batch_size: int = 512, num_samples=4) -> dict:
+    """Greedy accuracy on the task's fixed held-out split (or on `dataset`), with the mean response length and, under
+    "samples", what the model said to the first `num_samples` problems (to read, beside the score)."""
     dataset = task.eval if dataset is None else dataset
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    correct, lengths = [], []
+    correct, lengths, samples = [], [], []
     for start in range(0, len(dataset), batch_size):
         batch = dataset[start : start + batch_size]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, batch["prompt"], device)
         ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=0.0)
-        correct.append(task.reward(decode(tokenizer, ids, mask, truncated), batch["answer"]))
+        texts = decode(tokenizer, ids, mask, truncated)
+        correct.append(task.reward(texts, batch["answer"]))
         lengths.append(mask.sum(dim=1).float().cpu())
+        for i in range(min(num_samples - len(samples), len(texts))):  # the first problems, the same at every evaluation
+            fed = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])  # the prompt as the model saw it
+            samples.append(
+                {"prompt": fed, "completion": texts[i], "answer": batch["answer"][i], "reward": correct[-1][i].item()}
+            )
     model.train(was_training)
-    return {"eval/accuracy": torch.cat(correct).mean().item(), "eval/response_length": torch.cat(lengths).mean().item()}
+    return {
+        "eval/accuracy": torch.cat(correct).mean().item(),
+        "eval/response_length": torch.cat(lengths).mean().item(),
+        "samples": samples,  # MetricsLogger writes these to samples.jsonl, not to metrics.jsonl
+    }
 
 
 def lengths_by_outcome(lengths: torch.Tensor, scores: torch.Tensor) -> dict:
@@ -520,23 +698,268 @@ def lengths_by_outcome(lengths: torch.Tensor, scores: torch.Tensor) -> dict:
     return {name: lengths[pick].float().mean() for name, pick in picks.items() if pick.any()}
 
 
-class MetricsLogger:
-    """Appends one JSON object per logged step to OUTPUT_DIR/metrics.jsonl."""
+# ---------------------------------------------------------------------------------------------------------------------
+# Preference pairs (dpo.py, reward_model.py) and learned reward models (--reward-model)
+# ---------------------------------------------------------------------------------------------------------------------
 
-    def __init__(self, output_dir: str):
+
+@torch.no_grad()
+def build_verifier_pairs(policy, tokenizer, task: Task, args, device: torch.device):
+    """Pairs (prompt, chosen, rejected) from the policy's own answers, judged by the task's verifier: each of
+    args.num_pair_prompts training problems is answered args.group_size times at temperature 1, and the most frequent
+    correct answer is paired with the most frequent wrong one (problems without both are skipped and counted).
+    Returns (datasets.Dataset, skipped)."""
+    import datasets
+    from tqdm import tqdm
+
+    rng = random.Random(0)  # the same pairs for every seed
+    prompts_all = task.train[rng.sample(range(len(task.train)), min(args.num_pair_prompts, len(task.train)))]
+    pairs, skipped = {"prompt": [], "chosen": [], "rejected": []}, 0
+    for start in tqdm(range(0, len(prompts_all["prompt"]), 64), desc="building pairs"):
+        prompts, answers = prompts_all["prompt"][start : start + 64], prompts_all["answer"][start : start + 64]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [p for p in prompts for _ in range(args.group_size)], device)
+        completion_ids, mask, truncated = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, 1.0)
+        texts = decode(tokenizer, completion_ids, mask, truncated)
+        correct = task.reward(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
+        ended = ~truncated  # only answers that ended with EOS
+        for i, prompt in enumerate(prompts):
+            group = range(i * args.group_size, (i + 1) * args.group_size)
+            good = Counter(texts[j] for j in group if correct[j] == 1 and ended[j])
+            bad = Counter(texts[j] for j in group if correct[j] == 0 and ended[j])
+            if not good or not bad:
+                skipped += 1
+                continue
+            # the most frequent correct and wrong answers: the policy's likeliest success against its likeliest mistake
+            pairs["prompt"].append(prompt)
+            pairs["chosen"].append(good.most_common(1)[0][0])
+            pairs["rejected"].append(bad.most_common(1)[0][0])
+    return datasets.Dataset.from_dict(pairs), skipped
+
+
+def verifier_pairs(args, task: Task, load_policy: Callable, device: torch.device):
+    """The built-in preference pairs of args.model_name_or_path on args.task (build_verifier_pairs), built the first
+    time and cached, so that dpo.py and reward_model.py train on the same pairs and build them once. `load_policy()`
+    returns (policy, tokenizer) and is called only when the pairs must be built. Returns (pairs, skipped, seconds
+    spent building them: 0 from the cache)."""
+    import datasets
+
+    model_path = resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
+    recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
+    recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
+    key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
+    pairs_dir = os.path.join(cache_root(args.cache_dir), f"dpo-pairs-{key}")
+    if os.path.isdir(pairs_dir):
+        with open(os.path.join(pairs_dir, "skipped.json")) as f:
+            return datasets.load_from_disk(pairs_dir), json.load(f), 0.0
+    start = time.time()
+    policy, tokenizer = load_policy()
+    with torch.random.fork_rng(devices=[]):  # the same pairs whatever --seed is, since they are cached for all
+        torch.manual_seed(0)
+        pairs, skipped = build_verifier_pairs(policy, tokenizer, task, args, device)
+    pairs.save_to_disk(pairs_dir + ".partial")
+    with open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w") as f:
+        json.dump(skipped, f)
+    os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
+    return pairs, skipped, time.time() - start
+
+
+def load_preference_dataset(path: str):
+    """--dataset of preference pairs (dpo.py, reward_model.py): like load_data_set, with prompt, chosen and rejected
+    columns. The prompts are used as given (render them with your chat template yourself)."""
+    return load_data_set(path, "--dataset", ("prompt", "chosen", "rejected"))
+
+
+def tokenize_pairs(tokenizer, pairs, device: torch.device) -> dict:
+    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS: a dict of (N, L)
+    tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, pairs["prompt"], device)
+    data = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+    for key in ("chosen", "rejected"):
+        ids = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for text in pairs[key]]
+        width = max(len(i) for i in ids)
+        data[f"{key}_ids"] = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
+        data[f"{key}_mask"] = torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device)
+    return data
+
+
+def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A reward model's score R(x, y) of each row (B,): its scalar head on the last layer's hidden state at the row's
+    last real token (the EOS of a finished response, the last token of a truncated one). input_ids, attention_mask:
+    (B, L) with the prompt left-padded and the completion right-padded, positions as in `generate`. We pick that token
+    from the attention mask ourselves: the model's own pooling looks for pad_token_id, which would skip an EOS that
+    doubles as the pad token."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    backbone = getattr(model, model.base_model_prefix)
+    with autocast(input_ids.device):
+        hidden = backbone(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (columns * attention_mask).argmax(dim=1)  # (B,) the rightmost attended column
+    pooled = hidden.last_hidden_state[torch.arange(len(input_ids), device=input_ids.device), last]  # (B, H)
+    return model.score(pooled.to(model.score.weight.dtype)).squeeze(-1).float()
+
+
+def load_reward_model(path: str, tokenizer, device: torch.device):
+    """--reward-model: a one-output AutoModelForSequenceClassification saved by reward_model.py, frozen. It must read the
+    policy's tokens, so its tokenizer must be the policy's."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        architecture = (config.architectures or ["an unknown architecture"])[0]
+        if not architecture.endswith("ForSequenceClassification"):
+            raise SystemExit(f"--reward-model {path!r}: a {architecture}, not a reward model (train one with reward_model.py)")
+        if config.num_labels != 1:
+            raise SystemExit(f"--reward-model {path!r}: has {config.num_labels} outputs, a reward model has one")
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        rm_tokenizer = AutoTokenizer.from_pretrained(path)
+    except LOAD_ERRORS as e:
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+        raise SystemExit(f"--reward-model {path!r}: cannot load a reward model and its tokenizer ({reason})") from None
+    if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"--reward-model {path!r}: its tokenizer is not the policy's (train it from the same base model)")
+    return model.to(device).eval().requires_grad_(False)
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to OUTPUT_DIR/metrics.jsonl, and the evaluation's sampled answers (the
+    "samples" entry of `evaluate`'s metrics), one JSON object each with the step, to OUTPUT_DIR/samples.jsonl.
+
+    With `resume_step` (--resume) both files keep their rows up to that step (those after it were logged by the
+    interrupted run after its last checkpoint, and will be logged again), new rows are appended, a step already in the
+    file is not written again, and time/elapsed goes on from the last kept row. `last` is the last kept row and
+    `last_eval` its latest evaluation ({} on a fresh run)."""
+
+    def __init__(self, output_dir: str, resume_step: int | None = None):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.file = open(self.path, "w")
-        self.start = time.time()
+        samples_path = os.path.join(output_dir, "samples.jsonl")
+        kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
+        self.file, self.samples = open(self.path, "w"), open(samples_path, "w")
+        for file, path in ((self.file, self.path), (self.samples, samples_path)):
+            file.writelines(json.dumps(row) + "\n" for row in kept[path])
+            file.flush()
+        rows = kept[self.path]
+        self.last = rows[-1] if rows else {}
+        self.last_eval = next(
+            ({k: v for k, v in r.items() if k.startswith("eval/")} for r in rows[::-1] if "eval/accuracy" in r), {}
+        )
+        self.done_step = -1 if resume_step is None else resume_step
+        self.start = time.time() - self.last.get("time/elapsed", 0.0)
+
+    @staticmethod
+    def _rows_up_to(path: str, step: int | None) -> list[dict]:
+        if step is None or not os.path.isfile(path):
+            return []
+        rows = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut short when the interrupted run was killed
+                    break
+        return [row for row in rows if row["step"] <= step]
 
     def log(self, step: int, metrics: dict) -> None:
+        if step <= self.done_step:  # already in the file (--resume)
+            return
         row = {"step": step, "time/elapsed": round(time.time() - self.start, 3)}
-        row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()})
+        row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items() if k != "samples"})
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        for sample in metrics.get("samples", []):
+            self.samples.write(json.dumps({"step": step, **sample}) + "\n")
+        self.samples.flush()
+        self.last = row
 
     def close(self) -> None:
         self.file.close()
+        self.samples.close()
+
+
+class Checkpoint:
+    """--save-every and --resume: what a run needs to go on exactly as if it had never stopped, in
+    OUTPUT_DIR/checkpoint.pt. That is the weights the optimizer trains (the policy, and PPO's critic), the optimizer's
+    state, the step, the random number generators (`rng`, of the prompt order or the pair order; torch's, of sampling and
+    minibatch order; CUDA's) and whatever `extra()` returns (a script's own loop state). Frozen models (the reference,
+    a reward model) are reloaded as they were. The checkpoint is written every `--save-every` steps and after an
+    interrupt (Ctrl-C or SIGTERM: the step in progress finishes, the checkpoint is saved, the run exits with status 0;
+    a second Ctrl-C stops at once), to a side file renamed over the old one, so that a save cut short never replaces a
+    good checkpoint. With --resume the constructor restores it; `step` is then its step (0 on a fresh run) and `extra`
+    what extra() returned."""
+
+    def __init__(self, args, optimizer, rng, extra: Callable[[], dict] = dict):
+        import signal
+        import threading
+
+        self.path = os.path.join(args.output_dir, "checkpoint.pt")
+        self.save_every, self.optimizer, self.rng, self.get_extra = args.save_every, optimizer, rng, extra
+        self.step, self.resumed_step, self.extra, self.interrupted = 0, None, {}, False
+        if args.resume:
+            self.load()
+        self.handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {s: signal.signal(s, self.interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def interrupt(self, signum, frame) -> None:
+        if self.interrupted:  # a second Ctrl-C: stop now, without a checkpoint of this step
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("\ninterrupted: the step in progress finishes, then a checkpoint is saved", file=sys.stderr, flush=True)
+
+    def trained(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def rng_state(self):
+        return self.rng.get_state() if isinstance(self.rng, torch.Generator) else self.rng.getstate()
+
+    def save(self, step: int) -> None:
+        state = {
+            "step": step,
+            "trained": [p.detach().cpu() for p in self.trained()],
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self.rng_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "extra": self.get_extra(),
+        }
+        torch.save(state, self.path + ".partial")
+        os.replace(self.path + ".partial", self.path)
+
+    def load(self) -> None:
+        state = torch.load(
+            self.path, map_location="cpu", weights_only=False
+        )  # our own file: it holds Python RNG state, not only tensors
+        trained = self.trained()
+        if [p.shape for p in trained] != [p.shape for p in state["trained"]]:
+            raise SystemExit(f"--resume: {self.path} holds other weights than this run's model (another script or model?)")
+        with torch.no_grad():
+            for p, saved in zip(trained, state["trained"]):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.set_state(state["rng"]) if isinstance(self.rng, torch.Generator) else self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.step = self.resumed_step = state["step"]
+        self.extra = state["extra"]
+        print(f"resuming after step {self.step} from {self.path}")
+
+    def step_done(self, step: int) -> None:
+        """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits."""
+        if self.interrupted or (self.save_every and step % self.save_every == 0):
+            self.save(step)
+        if self.interrupted:
+            self.close()
+            print(f"saved the checkpoint of step {step} to {self.path}; continue with --resume", file=sys.stderr)
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Give Ctrl-C and SIGTERM back their previous handlers."""
+        import signal
+
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        self.handlers = {}
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -595,6 +1018,24 @@ def check_shared_args(args) -> None:
     get_device(args.device)
 
 
+def check_data_flags(args) -> None:
+    """--dataset must name something that can exist, and --chat-template a mode (and 'on', a tokenizer that has one)."""
+    if args.dataset and not os.path.exists(args.dataset) and not looks_like_hub_id(args.dataset):
+        raise SystemExit(f"--dataset {args.dataset!r}: no such file or folder, and not a hub id")
+    if args.chat_template not in ("auto", "on", "none"):
+        raise SystemExit(f"--chat-template {args.chat_template!r}: allowed values are auto, on, none")
+    path = args.model_name_or_path
+    if args.chat_template == "on" and (path == "builtin" or has_chat_template(path) is False):
+        raise SystemExit(f"--chat-template on: the tokenizer of {path!r} has no chat template (use auto or none)")
+
+
+def check_resume_flags(args) -> None:
+    """--save-every must be 0 or positive, and --resume needs a checkpoint in --output-dir."""
+    check_flag(args, "save_every", "must be 0 (only when interrupted) or positive", lambda v: v >= 0)
+    if args.resume and not os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt")):
+        raise SystemExit(f"--resume: no checkpoint.pt in --output-dir {args.output_dir!r} to continue from")
+
+
 def check_folders(args) -> None:
     """The last check: the output folder is created (or found) writable, and so is the cache when a warm-up is due."""
     check_writable_dir("--output-dir", args.output_dir)
@@ -613,3 +1054,8 @@ def check_common_args(args) -> None:
     check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
     check_flag(args, "total_steps", "must be 0 (the script's number for the task) or positive", lambda v: v >= 0)
     check_flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)
+    check_flag(args, "num_eval", "must be at least 1", lambda v: v >= 1)
+    check_resume_flags(args)
+    check_data_flags(args)
+    if args.reward_model and not os.path.isfile(os.path.join(args.reward_model, "config.json")):
+        raise SystemExit(f"--reward-model {args.reward_model!r}: not a folder with a config.json (see reward_model.py)")

@@ -19,12 +19,8 @@ Departures from the paper:
 3. The reference log-probs are computed once, before training; dropout stays off (eval mode), so they are exact.
 """
 
-import hashlib
-import json
 import os
-import random
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +45,19 @@ class Args:
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
     """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    chat_template: str = "auto"
+    """auto: prompts rendered with the tokenizer's chat template when it has one (the task's answer format as the
+    system message); none: plain prompts; on: like auto, but a template is required"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+    save_every: int = 50
+    """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
+    resume: bool = False
+    """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
 
     # Algorithm specific arguments
     total_steps: int = 120
@@ -94,8 +99,8 @@ def check_args(args: Args) -> None:
     common.check_flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
     if args.batch_size % args.micro_batch_size:
         raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
-    if args.dataset and not os.path.exists(args.dataset) and not common.looks_like_hub_id(args.dataset):
-        raise SystemExit(f"--dataset {args.dataset!r}: no such file or folder, and not a hub id")
+    common.check_data_flags(args)
+    common.check_resume_flags(args)
     common.check_folders(args)
 
 
@@ -134,77 +139,8 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, mask):
     return torch.where(mask, logprobs, 0.0).sum(dim=1)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Data: preference pairs
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def build_pairs(policy, tokenizer, task, args, device):
-    """Pairs (prompt, chosen, rejected) from the policy's own answers, judged by the task's verifier."""
-    import datasets
-
-    rng = random.Random(0)  # the same pairs for every seed
-    prompts_all = task.train[rng.sample(range(len(task.train)), min(args.num_pair_prompts, len(task.train)))]
-    pairs, skipped = {"prompt": [], "chosen": [], "rejected": []}, 0
-    for start in tqdm(range(0, len(prompts_all["prompt"]), 64), desc="building pairs"):
-        prompts, answers = prompts_all["prompt"][start : start + 64], prompts_all["answer"][start : start + 64]
-        prompt_ids, prompt_mask = common.tokenize_prompts(
-            tokenizer, [p for p in prompts for _ in range(args.group_size)], device
-        )
-        completion_ids, mask, truncated = common.generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, 1.0)
-        texts = common.decode(tokenizer, completion_ids, mask, truncated)
-        correct = task.reward(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
-        ended = ~truncated  # only answers that ended with EOS
-        for i, prompt in enumerate(prompts):
-            group = range(i * args.group_size, (i + 1) * args.group_size)
-            good = Counter(texts[j] for j in group if correct[j] == 1 and ended[j])
-            bad = Counter(texts[j] for j in group if correct[j] == 0 and ended[j])
-            if not good or not bad:
-                skipped += 1
-                continue
-            # the most frequent correct and wrong answers: the policy's likeliest success against its likeliest mistake
-            pairs["prompt"].append(prompt)
-            pairs["chosen"].append(good.most_common(1)[0][0])
-            pairs["rejected"].append(bad.most_common(1)[0][0])
-    return datasets.Dataset.from_dict(pairs), skipped
-
-
-def load_pairs(args):
-    """A user's preference dataset: a folder saved with datasets, a .json/.jsonl file, or a hub id."""
-    import datasets
-
-    try:
-        if os.path.isdir(args.dataset):
-            ds = datasets.load_from_disk(args.dataset)
-        elif args.dataset.endswith((".json", ".jsonl")):
-            ds = datasets.load_dataset("json", data_files=args.dataset, split="train")
-        else:
-            with common.offline_unless_hub_reachable():
-                ds = datasets.load_dataset(args.dataset, split="train")
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
-        raise SystemExit(f"--dataset {args.dataset!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
-    missing = {"prompt", "chosen", "rejected"} - set(ds.column_names)
-    if missing:
-        raise SystemExit(f"--dataset {args.dataset!r}: missing column(s) {', '.join(sorted(missing))}")
-    return ds
-
-
-def tokenize_pairs(tokenizer, pairs, device):
-    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS: a dict of (N, L)
-    tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
-    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, pairs["prompt"], device)
-    data = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
-    for key in ("chosen", "rejected"):
-        ids = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for text in pairs[key]]
-        width = max(len(i) for i in ids)
-        data[f"{key}_ids"] = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
-        data[f"{key}_mask"] = torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device)
-    return data
-
-
 def pair_logps(model, data, idx):
-    """Sequence log-probs (b,) of the chosen and of the rejected completions of the pairs `idx` of tokenize_pairs' dict."""
+    """Sequence log-probs (b,) of the chosen and of the rejected completions of the pairs `idx` (data: tokenize_pairs)."""
     prompt = (data["prompt_ids"][idx], data["prompt_mask"][idx])
     chosen_logps = sequence_logps(model, *prompt, data["chosen_ids"][idx], data["chosen_mask"][idx])
     rejected_logps = sequence_logps(model, *prompt, data["rejected_ids"][idx], data["rejected_mask"][idx])
@@ -222,43 +158,30 @@ if __name__ == "__main__":
     device = common.get_device(args.device)
     task = common.make_task(args.task)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
-    user_pairs = load_pairs(args) if args.dataset else None  # a user's data set is read before any model is loaded
+    # a user's data set is read before any model is loaded
+    user_pairs = common.load_preference_dataset(args.dataset) if args.dataset else None
     policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    if args.gradient_checkpointing:
+        common.enable_gradient_checkpointing(policy)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
-    logger = common.MetricsLogger(args.output_dir)
-    pairs_time = 0.0  # seconds spent building the pairs (0 when they come from the cache or --dataset)
     if args.dataset:
-        pairs, skipped = user_pairs, 0
-    else:
-        model_path = common.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
-        recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
-        key = hashlib.sha1(json.dumps([*recipe, args.max_new_tokens]).encode()).hexdigest()[:10]
-        pairs_dir = os.path.join(common.cache_root(args.cache_dir), f"dpo-pairs-{key}")
-        if os.path.isdir(pairs_dir):
-            import datasets
-
-            pairs = datasets.load_from_disk(pairs_dir)
-            skipped = json.load(open(os.path.join(pairs_dir, "skipped.json")))
-        else:
-            with torch.random.fork_rng(devices=[]):  # the same pairs whatever --seed is, since they are cached for all
-                torch.manual_seed(0)
-                pairs, skipped = build_pairs(policy, tokenizer, task, args, device)
-            pairs.save_to_disk(pairs_dir + ".partial")
-            json.dump(skipped, open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w"))
-            os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
-            pairs_time = time.time() - logger.start
+        pairs, skipped, pairs_time = user_pairs, 0, 0.0
+    else:  # built once by the warm-up policy and cached, shared with reward_model.py; pairs_time is 0 from the cache
+        pairs, skipped, pairs_time = common.verifier_pairs(args, task, lambda: (policy, tokenizer), device)
     if len(pairs) < args.batch_size:
         raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
     generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
     print(f"{len(pairs)} preference pairs ({skipped} prompts had no correct-and-wrong pair)")
-    data = tokenize_pairs(tokenizer, pairs[:], device)
+    data = common.tokenize_pairs(tokenizer, pairs[:], device)
     with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
         chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
         ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
-    logger.start = time.time()  # time/elapsed counts training only; building the pairs is time/pairs
+    checkpoint = common.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
+    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     pairs_metrics = {
         "data/pairs": len(pairs),
         "data/skipped_prompts": skipped,
@@ -266,9 +189,9 @@ if __name__ == "__main__":
         "train/responses": generated,
     }
     logger.log(0, {**eval_metrics, **pairs_metrics})
-    order = torch.empty(0, dtype=torch.long)
+    order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
 
-    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(pairs), generator=generator)
@@ -300,6 +223,7 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(loss=f"{row['loss/dpo'].item():.3f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save
@@ -307,4 +231,5 @@ if __name__ == "__main__":
     policy.save_pretrained(os.path.join(args.output_dir, "model"))
     tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
     logger.close()
+    checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

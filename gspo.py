@@ -7,7 +7,7 @@ of the response and clipped once, with tiny ranges (3e-4, 4e-4). q_i is not the 
     python gspo.py
 
 Departures from the paper:
-1. The reward is a verifier (1 correct, 0 wrong), not a learned reward model, and the reference model is the
+1. The reward is a verifier (1 correct, 0 wrong) unless --reward-model names a learned one, and the reference model is the
    warm-up policy, never reset.
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
@@ -44,10 +44,27 @@ class Args:
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
     """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    dataset: str = ""
+    """your own prompts instead of the task's: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a hub id with
+    prompt and answer columns, scored by --task's verifier"""
+    num_eval: int = 500
+    """with --dataset: prompts held out for evaluation (at most half of them; split by prompt, never trained on)"""
+    chat_template: str = "auto"
+    """auto: prompts rendered with the tokenizer's chat template when it has one (the task's answer format as the
+    system message); none: plain prompts; on: like auto, but a template is required"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+    save_every: int = 50
+    """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
+    resume: bool = False
+    """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
+    reward_model: str = ""
+    """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
+    accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""
 
     # Algorithm specific arguments
     total_steps: int = 0
@@ -166,25 +183,30 @@ if __name__ == "__main__":
     check_args(args)
     common.seed_everything(args.seed)
     device = common.get_device(args.device)
-    task = common.make_task(args.task)
+    task = common.make_task(args.task, args.dataset, args.num_eval)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or STEPS[args.task]
     common.check_flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
     policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    if args.gradient_checkpointing:
+        common.enable_gradient_checkpointing(policy)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
         ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
+    reward_model = common.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    logger = common.MetricsLogger(args.output_dir)
     rng = random.Random(args.seed)
-    eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    checkpoint = common.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
+    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: G responses per prompt from the frozen behaviour policy pi_old
         # -------------------------------------------------------------------------------------------------------------
@@ -213,9 +235,11 @@ if __name__ == "__main__":
             )
 
         # -------------------------------------------------------------------------------------------------------------
-        # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored as they stand)
+        # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored as they stand), or
+        # with --reward-model the learned reward model's score; the verifier is then the gold measure, logged only
         # -------------------------------------------------------------------------------------------------------------
-        rewards = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
+        gold = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
+        rewards = gold if reward_model is None else common.sequence_rewards(reward_model, input_ids, attention_mask)  # (B,)
 
         # -------------------------------------------------------------------------------------------------------------
         # Advantage: each response compared with its group
@@ -251,15 +275,16 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
-        grouped = rewards.view(-1, args.group_size)
+        grouped = gold.view(-1, args.group_size)  # outcomes
         row = common.aggregate(train_metrics)
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),
+                "rollout/gold_accuracy": gold.mean(),
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
-                **common.lengths_by_outcome(mask.sum(dim=1), rewards),
+                **common.lengths_by_outcome(mask.sum(dim=1), gold),
                 "rollout/truncated_frac": truncated.float().mean(),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,
@@ -271,6 +296,7 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save
@@ -278,4 +304,5 @@ if __name__ == "__main__":
     policy.save_pretrained(os.path.join(args.output_dir, "model"))
     tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
     logger.close()
+    checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

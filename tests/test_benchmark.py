@@ -51,3 +51,24 @@ def test_zero_variance_fraction():
     results = benchmark.zero_variance_fraction({"a": [run([0.5, 0.9])], "ppo": [[{"eval/accuracy": 0.5}]]})
     assert results["a"][0][1]["rollout/zero_std_frac"] == 0.75
     assert "rollout/zero_std_frac" not in results["ppo"][0][0]
+
+
+def test_rlhf_summary_reports_the_best_gold_evaluation_and_the_proxy():
+    """The per-response KL is kl/ref (a mean over tokens) times the mean response length; the summary names the best
+    held-out evaluation and its step, and the proxy and gold of the first and last ten steps."""
+    assert benchmark.response_kl({"kl/ref": 0.05, "rollout/response_length": 4.0}) == 0.2
+    rm = [{"step": 0, "data/pairs": 900, "data/eval_pairs": 100, "eval/pairwise_accuracy": 0.5, "time/command": 120.0}]
+    rm += [{"step": 20, "eval/pairwise_accuracy": 0.82}, {"step": 40, "eval/pairwise_accuracy": 0.8}]
+    ppo = [{"step": 0, "eval/accuracy": 0.5}]
+    for step in range(1, 31):
+        row = {"step": step, "rollout/reward_mean": step / 10, "rollout/gold_accuracy": 0.5, "kl/ref": 0.1}
+        row["rollout/response_length"] = 2.0
+        if step % 10 == 0:
+            row["eval/accuracy"] = {10: 0.7, 20: 0.6, 30: 0.55}[step]
+        ppo.append(row)
+    lines = benchmark.rlhf_summary(rm, ppo).splitlines()
+    assert "900 training pairs, 100 held out" in lines[0] and "0.500 -> 0.800 (best 0.820)" in lines[0]
+    assert "2.0 minutes" in lines[0] and "- minutes" in lines[1]
+    assert "0.500 at the start, best 0.700 at step 10, 0.550 at step 30" in lines[1]
+    assert "0.550 at the start, 2.550 at the end" in lines[2]  # steps 1-10 and 21-30: means 0.55 and 2.55
+    assert "0.200 nats" in lines[2]

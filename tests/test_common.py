@@ -1,5 +1,7 @@
 """The plumbing every script relies on: masks, sampling, log-probs, the task's verifier, argument checks."""
 
+import os
+
 import pytest
 import torch
 
@@ -213,6 +215,13 @@ def test_evaluate_scores_greedy_answers_against_the_held_out_split():
     out = common.evaluate(model, tokenizer, task, max_new_tokens=3)
     assert out["eval/accuracy"] == pytest.approx(0.5)  # rows 0 and 1 right; row 2 wrong; row 3 truncated at "222"
     assert out["eval/response_length"] == pytest.approx((2 + 3 + 2 + 3) / 4)
+    assert out["samples"] == [  # what it said to the first problems, for samples.jsonl
+        {"prompt": "1+1=", "completion": "2", "answer": "2", "reward": 1.0},
+        {"prompt": "11+11=", "completion": "22", "answer": "22", "reward": 1.0},
+        {"prompt": "1+1=", "completion": "2", "answer": "3", "reward": 0.0},
+        {"prompt": "1+1=", "completion": "222", "answer": "2", "reward": 0.0},
+    ]
+    assert len(common.evaluate(model, tokenizer, task, max_new_tokens=3, num_samples=2)["samples"]) == 2
 
 
 def test_check_finite_names_the_step():
@@ -227,3 +236,68 @@ def test_model_paths():
     for bad in ("/no/such/model", "./missing", "runs/a/b/model"):
         with pytest.raises(SystemExit, match="--model-name-or-path"):
             common.check_model_path(bad)
+
+
+def test_logprobs_in_chunks_equal_the_whole_pass_with_their_gradient(monkeypatch):
+    """Log-probs, entropies and the gradient they carry are the same whether the output layer runs over all positions
+    at once or 7 positions at a time (recomputed in the backward pass), and the same as through the model's own
+    forward (the path of models that transform their logits)."""
+    model, input_ids, attention_mask, mask = tiny_model(batch=4)
+
+    def run(chunk, transforms=common.LOGIT_TRANSFORMS):
+        monkeypatch.setattr(common, "LOGITS_CHUNK", chunk)
+        monkeypatch.setattr(common, "LOGIT_TRANSFORMS", transforms)
+        model.zero_grad()
+        logprobs, entropy = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 0.7, entropy_grad=True)
+        (logprobs[mask].sum() + 0.1 * entropy[mask].sum()).backward()
+        return logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    whole, chunked, forward = run(2**24), run(7 * vocab), run(2**24, ("vocab_size",))
+    assert 4 * mask.shape[1] > 7 * 2  # at least three chunks
+    for other in (chunked, forward):
+        assert torch.allclose(other[0], whole[0], atol=1e-6) and torch.allclose(other[1], whole[1], atol=1e-6)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(other[2], whole[2]))
+    assert any(g.abs().sum() > 0 for g in whole[2])
+    with torch.no_grad():
+        logprobs, entropy = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 0.7)
+    assert torch.allclose(logprobs, whole[0], atol=1e-6) and not entropy.requires_grad
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_leaves_the_gradient_unchanged():
+    model, input_ids, attention_mask, mask = tiny_model(batch=4)
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+
+    def gradient():
+        model.zero_grad()
+        calls.clear()
+        logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
+        logprobs[mask].sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = gradient()
+    assert len(calls) == 1
+    common.enable_gradient_checkpointing(model)
+    checkpointed = gradient()
+    assert len(calls) == 2  # the layer ran again in the backward pass
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, checkpointed))
+    model.config.attention_dropout = 0.1
+    with pytest.raises(SystemExit, match="--gradient-checkpointing: this model has dropout"):
+        common.enable_gradient_checkpointing(model)
+
+
+def test_the_readme_example_task_works(monkeypatch):
+    """The README's "your own task" example, run as written inside common.py: it registers, splits without leaking a
+    problem's twin, and its verifier scores a completion."""
+    import re
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        code = re.search(r"```python\n(def make_product_task.*?)```", f.read(), re.DOTALL).group(1)
+    monkeypatch.setattr(common, "TASKS", dict(common.TASKS))
+    exec(code, vars(common))
+    task = common.make_task("product")
+    assert len(task.eval) == 200 and task.reward(["408", " 408", "407"], ["408"] * 3).tolist() == [1.0, 1.0, 0.0]
+    key = lambda p: tuple(sorted(p[:-1].split("*")))  # noqa: E731
+    assert not {key(p) for p in task.train["prompt"]} & {key(p) for p in task.eval["prompt"]}
+    assert task.instruction.startswith("Multiply")

@@ -83,11 +83,13 @@ def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypa
     # a verifier that calls an answer correct when it has an even number of characters
     monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
     torch.manual_seed(0)
-    pairs, skipped = dpo.build_pairs(model, tokenizer, task, args(num_pair_prompts=40, group_size=4), torch.device("cpu"))
+    pairs, skipped = common.build_verifier_pairs(
+        model, tokenizer, task, args(num_pair_prompts=40, group_size=4), torch.device("cpu")
+    )
     assert len(pairs) + skipped == 40 and len(pairs) > 0
     for row in pairs:
         assert len(row["chosen"]) % 2 == 0 and len(row["rejected"]) % 2 == 1
-    data = dpo.tokenize_pairs(tokenizer, pairs[:4], torch.device("cpu"))
+    data = common.tokenize_pairs(tokenizer, pairs[:4], torch.device("cpu"))
     chosen_ids, chosen_mask = data["chosen_ids"], data["chosen_mask"]
     for ids, mask, text in zip(chosen_ids, chosen_mask, pairs[:4]["chosen"]):
         assert ids[mask].tolist() == tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]

@@ -56,6 +56,7 @@ def rows(output_dir):
 )
 def test_end_to_end_through_the_command_line(monkeypatch, model_dir, tmp_path, script, keys):
     flags = ["--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL]
+    flags += ["--gradient-checkpointing"] if script == "rloo.py" else []  # the same run, layers recomputed
     if script == "grpo.py":  # one script in a fresh interpreter, exactly as a user runs it
         result = run(script, *flags)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -66,6 +67,10 @@ def test_end_to_end_through_the_command_line(monkeypatch, model_dir, tmp_path, s
     for key in ["rollout/reward_mean", "rollout/response_length", "time/step", "train/responses", *keys]:
         assert key in logged[-1], key
     assert os.path.isfile(os.path.join(tmp_path, "model", "config.json"))
+    with open(os.path.join(tmp_path, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [0] * 4 + [1] * 4 + [2] * 4  # four answers at each evaluation
+    assert set(samples[0]) == {"step", "prompt", "completion", "answer", "reward"}
 
 
 def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):

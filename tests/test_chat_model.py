@@ -1,0 +1,156 @@
+"""A real model's path, offline: a tiny Qwen2 (random weights) with a byte-level BPE tokenizer trained here, a ChatML
+chat template and two EOS ids, saved to a folder and loaded by path, like Qwen2.5-Instruct; a user's data file."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from test_smoke import SMALL, coin_flip_rewards, rows, run_here
+
+import common
+
+CHATML = (  # Qwen2.5's ChatML, without its tool calls
+    r"{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    r"{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The folder of a tiny Qwen2ForCausalLM whose generation config ends a response at <|im_end|> (end of turn) or at
+    <|endoftext|> (end of text, also the pad token), as Qwen2.5-Instruct's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = str(tmp_path_factory.mktemp("chat") / "model")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"What is {a} plus {b}? The answer is {a + b}." for a in range(40) for b in range(12)]
+    bpe.train_from_iterator(corpus + [text for text in common.INSTRUCTIONS.values()] * 5, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=[end_of_turn, end_of_text],
+        pad_token_id=end_of_text,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """Prompts and answers scored by gsm8k's verifier (the last number of the completion)."""
+    path = tmp_path_factory.mktemp("data") / "questions.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"What is {a} plus 3?", "answer": a + 3}) for a in range(24)))
+    return str(path)
+
+
+def test_prompts_are_rendered_with_the_chat_template(chat_model_dir, data_file):
+    model, tokenizer = common.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    task = common.make_task("gsm8k", data_file, num_eval=4)
+    assert len(task.eval) == 4 and len(task.train) == 20 and not set(task.eval["prompt"]) & set(task.train["prompt"])
+    assert task.train["answer"][0].isdigit()  # integers in the file are read as answer text
+    raw = task.train[0]["prompt"]
+    rendered = common.apply_chat_template(task, tokenizer, "auto")
+    expected = (
+        f"<|im_start|>system\n{common.INSTRUCTIONS['gsm8k']}<|im_end|>\n<|im_start|>user\n{raw}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert rendered.train[0]["prompt"] == expected and rendered.eval[0]["prompt"].endswith("<|im_start|>assistant\n")
+    ids, _ = common.tokenize_prompts(tokenizer, [expected], torch.device("cpu"))
+    assert ids[0, 0].item() == tokenizer.convert_tokens_to_ids("<|im_start|>")  # the markers are single special tokens
+    assert common.apply_chat_template(task, tokenizer, "none").train[0]["prompt"] == raw
+    assert common.eos_token_ids(model, tokenizer) == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+
+
+def test_generation_stops_at_either_eos(chat_model_dir):
+    """Greedy decoding steered to end row 0 with <|im_end|> at its second token and row 1 with <|endoftext|> at its
+    third: each row's mask runs through its own EOS, neither is truncated, and row 2 (no EOS) is."""
+    model, tokenizer = common.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    word = tokenizer("What", add_special_tokens=False).input_ids[0]
+    steps = []
+
+    def steer(module, args, kwargs, out):
+        logits = torch.full_like(out.logits, -10.0)
+        logits[..., word] = 10.0
+        step = len(steps)
+        if step == 1:
+            logits[0, -1, end_of_turn] = 20.0
+        if step == 2:
+            logits[1, -1, end_of_text] = 20.0
+        steps.append(step)
+        out.logits = logits
+        return out
+
+    model.register_forward_hook(steer, with_kwargs=True)
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["What is 1 plus 3?", "What", "What is"], torch.device("cpu"))
+    ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 4, temperature=0.0)
+    assert ids[0, 1].item() == end_of_turn and ids[1, 2].item() == end_of_text
+    assert mask.sum(dim=1).tolist() == [2, 3, 4] and truncated.tolist() == [False, False, True]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py"])
+def test_every_script_trains_the_chat_model_on_a_data_file(chat_model_dir, data_file, tmp_path, monkeypatch, script):
+    """Two steps of each script on the chat model, loaded by path, with the user's data file (DPO: preference pairs,
+    evaluated on the addition task): the prompts it was fed carry the chat template."""
+    flags = ["--model-name-or-path", chat_model_dir, "--output-dir", str(tmp_path), "--max-new-tokens", "6"]
+    if script == "dpo.py":
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("\n".join(json.dumps({"prompt": f"{a}+3=", "chosen": str(a + 3), "rejected": "0"}) for a in range(8)))
+        flags += ["--dataset", str(pairs), "--batch-size", "4", "--total-steps", "2", "--eval-every", "2", "--device", "cpu"]
+    else:
+        coin_flip_rewards(monkeypatch, p=0.5)  # DAPO needs groups of mixed scores; the others do not mind
+        flags += ["--task", "gsm8k", "--dataset", data_file, "--num-eval", "4", *SMALL, "--eval-every", "2"]
+    run_here(monkeypatch, script, *flags)
+    logged = rows(tmp_path)
+    assert [r["step"] for r in logged] == [0, 1, 2] and "eval/accuracy" in logged[-1]
+    with open(tmp_path / "samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    assert samples and all(s["prompt"].startswith("<|im_start|>system\n") for s in samples)
+    assert os.path.isfile(tmp_path / "model" / "tokenizer_config.json")
+
+
+def test_bad_model_folders_and_data_are_refused_in_one_line(chat_model_dir, data_file, tmp_path):
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    for name in os.listdir(chat_model_dir):
+        if not name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(chat_model_dir, name), weights_only / name)
+    with pytest.raises(SystemExit, match="no tokenizer in this folder") as info:
+        common.load_model_and_tokenizer(str(weights_only), "", torch.device("cpu"))
+    assert "\n" not in str(info.value.code)
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text(json.dumps({"prompt": "What is 1 plus 3?", "solution": "4"}))
+    with pytest.raises(
+        SystemExit, match=r"--dataset .*no_answer.jsonl': missing column\(s\) answer \(it has prompt, solution\)"
+    ):
+        common.make_task("gsm8k", str(no_answer))
+    text = tmp_path / "questions.txt"
+    text.write_text("What is 1 plus 3?")
+    with pytest.raises(SystemExit, match="--dataset .*: cannot read .txt files"):
+        common.make_task("gsm8k", str(text))
+    import grpo
+
+    for model, mode in (("builtin", "on"), (chat_model_dir, "sometimes")):
+        with pytest.raises(SystemExit, match="--chat-template"):
+            grpo.check_args(grpo.Args(model_name_or_path=model, chat_template=mode, output_dir=str(tmp_path / "out")))
+    grpo.check_args(grpo.Args(model_name_or_path=chat_model_dir, chat_template="on", output_dir=str(tmp_path / "out")))
