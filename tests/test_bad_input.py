@@ -146,9 +146,7 @@ def test_a_folder_without_a_tokenizer_is_one_line_naming_the_flag(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         common.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
     line = str(exit_info.value.code)
-    assert (
-        line.startswith(f"--model-name-or-path {str(tmp_path)!r}: no tokenizer in this folder") and "\n" not in line
-    )
+    assert line.startswith(f"--model-name-or-path {str(tmp_path)!r}: no tokenizer in this folder") and "\n" not in line
 
 
 def test_a_damaged_built_in_cache_names_the_folder_to_delete(tmp_path):
