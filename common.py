@@ -2,9 +2,11 @@
 sampling, evaluation, preference pairs, reward-model scoring and metrics logging.
 No advantage estimator and no loss lives here: those are in the scripts."""
 
+import atexit
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -13,12 +15,14 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from safetensors import SafetensorError
 
@@ -33,13 +37,21 @@ def seed_everything(seed: int) -> None:
 
 
 def get_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device of this process. Under torchrun it is this process's GPU (LOCAL_RANK) or the CPU, and the first call
+    joins the run's process group (NCCL on GPUs, gloo on CPUs): see the section "Several processes" below."""
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
-    if name not in ("cpu", "cuda"):
+    if name not in ("auto", "cpu", "cuda"):
         raise SystemExit(f"--device {name!r}: allowed values are auto, cpu, cuda")
-    return torch.device(name)
+    device = torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+    if world_size() > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    return device
 
 
 def autocast(device: torch.device):
@@ -47,6 +59,200 @@ def autocast(device: torch.device):
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Several processes: torchrun, with DDP (replicated weights, averaged gradients) or FSDP2 (--fsdp: sharded weights)
+# ---------------------------------------------------------------------------------------------------------------------
+#
+# Without torchrun every function here is the identity and the scripts run exactly as one process. Under
+# `torchrun --nproc-per-node N`, each process (rank) generates its share of the step's prompts (whole groups),
+# computes its loss on them, and the gradients are averaged over the ranks, so that an update equals one process's
+# update on the union of the ranks' rollouts. The scripts see the plain model throughout: `distribute` keeps the DDP or
+# FSDP2 module on the side, and the passes that must go through it (log-probs with a gradient; every pass under FSDP2)
+# are routed there by `run`. Reductions that are global in the algorithm use `rank_mean` or `gather`; metrics are
+# pooled over ranks by `aggregate` and `MetricsLogger`; rank 0 alone writes files.
+
+_alone = False  # inside `alone()`: this process works by itself (rank 0 building a cache), without collectives
+
+
+def world_size() -> int:
+    """The number of processes of this run: torchrun's WORLD_SIZE, 1 without torchrun."""
+    return 1 if _alone else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return 0 if _alone else int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Whether this process writes files and prints (rank 0, or the only process)."""
+    return rank() == 0
+
+
+@contextmanager
+def alone():
+    """Rank 0 builds something once (the built-in warm-up, the preference pairs) while the other ranks wait in
+    `barrier`: inside this block its functions run as a single process's would, without collectives."""
+    global _alone
+    _alone, before = True, _alone
+    try:
+        yield
+    finally:
+        _alone = before
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def _comm(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x on the device the process group communicates on (NCCL needs CUDA tensors)."""
+    return x.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """The sum (or "min", "max") over ranks of x, on x's device; x itself without torchrun."""
+    if world_size() == 1:
+        return x
+    y = _comm(torch.as_tensor(x))
+    dist.all_reduce(y, {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return y.to(torch.as_tensor(x).device)
+
+
+def rank_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of x. A loss normalised by rank_mean(count) instead of this rank's count becomes, once DDP or
+    FSDP2 averages the gradients over ranks, the loss normalised by the count of the whole batch (a global token mean)."""
+    return all_reduce(x) / world_size()
+
+
+def everywhere(flag: bool) -> bool:
+    """Whether flag holds on every rank (flag itself without torchrun): for decisions all ranks must take together."""
+    return bool(all_reduce(torch.tensor(int(flag)), "min")) if world_size() > 1 else flag
+
+
+def gather(x: torch.Tensor) -> torch.Tensor:
+    """The 1-D tensors x of every rank (their lengths may differ), concatenated in rank order; x without torchrun."""
+    if world_size() == 1:
+        return x
+    sizes = [_comm(torch.zeros(1, dtype=torch.long)) for _ in range(world_size())]
+    dist.all_gather(sizes, _comm(torch.tensor([len(x)])))
+    width = int(max(s.item() for s in sizes))
+    padded = _comm(torch.cat([x.detach(), x.new_zeros(width - len(x))]))
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[: int(s.item())] for p, s in zip(pieces, sizes)]).to(x.device)
+
+
+def shard(items):
+    """This rank's contiguous share of a global list or tensor (the whole of it without torchrun): rank r gets the
+    r-th of world_size() equal parts. The length must be a multiple of world_size() (checked with the flags)."""
+    size = len(items) // world_size()
+    return items[rank() * size : (rank() + 1) * size]
+
+
+def check_divisible(args, flag: str) -> None:
+    """Under torchrun, --FLAG (a global count: prompts, pairs) must split evenly over the processes."""
+    value = getattr(args, flag)
+    if value % world_size():
+        raise SystemExit(
+            f"--{flag.replace('_', '-')} {value}: must split evenly over the {world_size()} processes of this torchrun "
+            f"(it is the count of the whole step, shared out between the processes)"
+        )
+
+
+def check_distributed_args(args) -> None:
+    if getattr(args, "fsdp", False) and world_size() == 1:
+        raise SystemExit("--fsdp: shards the model over the processes of torchrun; run under torchrun --nproc-per-node N")
+
+
+class _Root(torch.nn.Module):
+    """What DDP or FSDP2 wraps: a module whose forward runs fn(model, ...). Whatever a script computes with the model
+    (log-probs in chunks, a generation step, values) thus runs inside the wrapper's forward and gets its hooks (DDP's
+    gradient averaging, FSDP2's gathering of the weights that the layers do not own), while the script keeps the plain
+    model for `generate`, `evaluate` and saving."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def distribute(args, *models):
+    """Under torchrun, wrap each model for training over several processes; returns the models to use instead (the
+    same objects, except a plain nn.Module under DDP, which comes back as its DDP module); the identity without
+    torchrun. Without --fsdp (DDP) a trained model is replicated and its gradients averaged; a frozen one (the
+    reference) is left alone. With --fsdp every model is sharded with FSDP2: each transformer layer is its own unit
+    (the model's `_no_split_modules`) and the rest of the model (embeddings, final norm, output layer) one root unit;
+    the optimizer must be created afterwards, on the sharded parameters. Then sampling is seeded per rank
+    (--seed + rank), so that the ranks do not generate the same responses from the same prompts."""
+    if world_size() == 1:
+        return models
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(p.device for m in models if m is not None for p in m.parameters())
+    ddp = lambda module: DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
+    if getattr(args, "fsdp", False):  # our outputs (log-probs, values) are never changed in place, which it warns about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    out = []
+    for model in models:
+        is_lm = model is not None and hasattr(model, "generate")  # a transformers model: scripts call it directly
+        if model is None or (not getattr(args, "fsdp", False) and not any(p.requires_grad for p in model.parameters())):
+            out.append(model)
+        elif not getattr(args, "fsdp", False):
+            if is_lm:
+                model.__dict__["_distributed"] = ddp(_Root(model))  # in __dict__: not a submodule of the model
+            out.append(model if is_lm else ddp(model))
+        else:
+            layer_types = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or []}
+            for module in model.modules():
+                if type(module).__name__ in layer_types:
+                    fully_shard(module)
+            if is_lm:
+                model.__dict__["_distributed"] = fully_shard(_Root(model))
+            else:
+                fully_shard(model)
+            out.append(model)
+    torch.manual_seed(args.seed + rank())  # sampling differs between ranks; the weights were made identical above
+    return tuple(out)
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) or isinstance(model.__dict__.get("_distributed"), FSDPModule)
+
+
+def run(model, fn: Callable, *args, **kwargs):
+    """fn(model, *args, **kwargs), inside the model's DDP or FSDP2 wrapper when it needs one: DDP for a pass with a
+    gradient (so that the backward pass averages the gradients), FSDP2 for every pass (it gathers the weights)."""
+    wrapper = model.__dict__.get("_distributed")
+    if wrapper is None or not (torch.is_grad_enabled() or _is_sharded(model)):
+        return fn(model, *args, **kwargs)
+    return wrapper(fn, *args, **kwargs)
+
+
+def _call(model, *args, **kwargs):
+    return model(*args, **kwargs)
+
+
+def local(x):
+    """A full plain tensor from x: an FSDP2 DTensor is gathered (every rank must call this), anything else is x."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def save_model(model, tokenizer, path: str) -> None:
+    """save_pretrained of the model and its tokenizer, by rank 0; under FSDP2 the shards are gathered first, so that
+    the folder loads with from_pretrained exactly like a single process's."""
+    state = {k: local(v) for k, v in model.state_dict().items()} if _is_sharded(model) else None
+    if is_main():
+        model.save_pretrained(path, state_dict=state)
+        tokenizer.save_pretrained(path)
+    barrier()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -389,12 +595,18 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     if name != "builtin":
         return name
     path = builtin_model_dir(cache_dir, task)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        import sft
+    missing = not os.path.isfile(os.path.join(path, "config.json"))
+    if world_size() > 1:  # under torchrun rank 0 warms up (alone) while the others wait; every rank must agree
+        missing = bool(all_reduce(torch.tensor(int(missing)), "max"))
+    if missing:
+        if is_main():
+            import sft
 
-        print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
-        sft.warm_up(dataclasses.replace(sft.task_args(task), output_dir=path + ".partial"))
-        os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
+            print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
+            with alone():
+                sft.warm_up(dataclasses.replace(sft.task_args(task), output_dir=path + ".partial"))
+            os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
+        barrier()
     return path
 
 
@@ -533,7 +745,17 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
     """Sample completions token by token with a KV cache. temperature > 0 samples from softmax(logits / temperature)
     with no top-k or top-p, so that the behaviour policy is exactly the one whose log-probs the scripts compute;
-    temperature == 0 is greedy. Returns completion ids (B, T) (pad after the first EOS), mask (B, T), truncated (B,)."""
+    temperature == 0 is greedy. Returns completion ids (B, T) (pad after the first EOS), mask (B, T), truncated (B,).
+    Under FSDP2 every rank runs the same number of forward passes (each gathers weights from all ranks): a rank stops
+    only when the responses of every rank have ended."""
+    folder = os.environ.get("TINY_RLHF_ROLLOUTS")
+    if folder and temperature > 0:
+        args = (model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
+        return _record_or_replay(folder, tokenizer.pad_token_id, prompt_ids, prompt_mask, lambda: _generate(*args))
+    return _generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
+
+
+def _generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
     from transformers import DynamicCache
 
     eos_ids, pad_token_id = torch.tensor(eos_token_ids(model, tokenizer), device=prompt_ids.device), tokenizer.pad_token_id
@@ -545,7 +767,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     cache, done, tokens = DynamicCache(), torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device), []
     for _ in range(max_new_tokens):
         with autocast(prompt_ids.device):
-            out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, logits_to_keep=1)
+            kw = {"attention_mask": attention_mask, "position_ids": position_ids, "cache": cache, "logits_to_keep": 1}
+            out = run(model, _call, input_ids, **kw)
         logits = out.logits[:, -1, :].float()  # (B, V)
         probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
         if not torch.isfinite(logits).all() or (probs is not None and not torch.isfinite(probs).all()):
@@ -554,7 +777,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
         next_token = next_token.masked_fill(done, pad_token_id)  # (B,)
         tokens.append(next_token)
         done = done | torch.isin(next_token, eos_ids)
-        if done.all():
+        if all_reduce(done.all().long(), "min") if _is_sharded(model) else done.all():
             break
         input_ids = next_token[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
@@ -562,6 +785,34 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     completion_ids = torch.stack(tokens, dim=1)  # (B, T)
     truncated = ~torch.isin(completion_ids, eos_ids).any(dim=1)  # hit max_new_tokens without an EOS
     return completion_ids, completion_mask(completion_ids, eos_ids), truncated
+
+
+_rollout_calls = Counter()  # sampled generate calls so far, per TINY_RLHF_ROLLOUTS folder
+
+
+def _record_or_replay(folder: str, pad_token_id: int, prompt_ids, prompt_mask, sample: Callable):
+    """TINY_RLHF_ROLLOUTS=FOLDER, for the tests of several processes and for debugging: the n-th sampled `generate` of
+    rank r is saved to FOLDER/n-rank{r}.pt, or read back from there if that file exists (the same rollouts again, e.g.
+    under FSDP2 after DDP). A single process finding the files of a run of several processes replays the union of the
+    ranks' rollouts, in rank order, for exactly the same prompts: then its update should equal theirs."""
+    call = _rollout_calls[folder]
+    _rollout_calls[folder] += 1
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+    files = sorted(f for f in os.listdir(folder) if f.startswith(f"{call:04d}-rank")) if os.path.isdir(folder) else []
+    mine = os.path.join(folder, f"{call:04d}-rank{rank()}.pt")
+    if world_size() == 1 and len(files) > 1:
+        saved = [torch.load(os.path.join(folder, f"{call:04d}-rank{r}.pt")) for r in range(len(files))]
+    elif os.path.isfile(mine):
+        saved = [torch.load(mine)]
+    else:
+        completion_ids, mask, truncated = sample()
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"prompts": prompts, "rollout": [completion_ids.cpu(), mask.cpu(), truncated.cpu()]}, mine)
+        return completion_ids, mask, truncated
+    if [p for s in saved for p in s["prompts"]] != prompts:
+        raise ValueError(f"TINY_RLHF_ROLLOUTS: the rollouts saved in {folder} (call {call}) are for other prompts")
+    pads = (pad_token_id, False, False)
+    return tuple(cat_padded([s["rollout"][i] for s in saved], pad).to(prompt_ids.device) for i, pad in enumerate(pads))
 
 
 # Entries of the (positions, vocabulary) logits computed at once: 2^24 floats, 64 MB in fp32 (110 positions at Qwen2.5's
@@ -584,7 +835,14 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, t
     hidden states at the completion positions go through the output layer LOGITS_CHUNK // V positions at a time. Without
     a gradient each chunk is freed before the next; with one, each chunk is recomputed in the backward pass instead of
     being kept (activation checkpointing of the output layer: one more pass through it). Either way one chunk's logits
-    and their softmax temporaries are alive at a time, whatever B, T and V."""
+    and their softmax temporaries are alive at a time, whatever B, T and V.
+
+    Under torchrun the pass runs inside the model's DDP or FSDP2 wrapper (see `run`)."""
+    args = (input_ids, attention_mask, completion_len, temperature, entropy_grad)
+    return run(model, _completion_logprobs, *args)
+
+
+def _completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float, entropy_grad: bool):
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]  # (B, T)
     head = model.get_output_embeddings()
@@ -671,8 +929,10 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, ba
     model.eval()
     device = next(model.parameters()).device
     correct, lengths, samples = [], [], []
-    for start in range(0, len(dataset), batch_size):
-        batch = dataset[start : start + batch_size]
+    rows = torch.arange(len(dataset)).tensor_split(world_size())[rank()]  # under torchrun: this rank's share
+    num_batches = math.ceil(math.ceil(len(dataset) / world_size()) / batch_size)  # the same on every rank (FSDP2)
+    for part in rows.split(batch_size) if world_size() == 1 else rows.tensor_split(num_batches):
+        batch = dataset[part.tolist()]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, batch["prompt"], device)
         ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=0.0)
         texts = decode(tokenizer, ids, mask, truncated)
@@ -684,9 +944,13 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, dataset=None, ba
                 {"prompt": fed, "completion": texts[i], "answer": batch["answer"][i], "reward": correct[-1][i].item()}
             )
     model.train(was_training)
+    correct, lengths = torch.cat(correct).float(), torch.cat(lengths)
+    if world_size() > 1:  # every rank's problems: sums and counts over ranks
+        total, length, count = all_reduce(torch.stack([correct.sum(), lengths.sum(), torch.tensor(len(correct))]).double())
+        correct, lengths = (total / count).view(1), (length / count).view(1)
     return {
-        "eval/accuracy": torch.cat(correct).mean().item(),
-        "eval/response_length": torch.cat(lengths).mean().item(),
+        "eval/accuracy": correct.mean().item(),
+        "eval/response_length": lengths.mean().item(),
         "samples": samples,  # MetricsLogger writes these to samples.jsonl, not to metrics.jsonl
     }
 
@@ -695,7 +959,7 @@ def lengths_by_outcome(lengths: torch.Tensor, scores: torch.Tensor) -> dict:
     """Mean length in tokens of the correct responses (verifier score 1) and of the wrong ones, each logged only when
     the batch has one: whether wrong answers grow longer than right ones is what Dr. GRPO's length fix is about."""
     picks = {"rollout/response_length_correct": scores == 1, "rollout/response_length_wrong": scores != 1}
-    return {name: lengths[pick].float().mean() for name, pick in picks.items() if pick.any()}
+    return {name: lengths[pick].float() for name, pick in picks.items() if pick.any()}  # samples: MetricsLogger averages
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -748,19 +1012,22 @@ def verifier_pairs(args, task: Task, load_policy: Callable, device: torch.device
     recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
     key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
     pairs_dir = os.path.join(cache_root(args.cache_dir), f"dpo-pairs-{key}")
-    if os.path.isdir(pairs_dir):
-        with open(os.path.join(pairs_dir, "skipped.json")) as f:
-            return datasets.load_from_disk(pairs_dir), json.load(f), 0.0
-    start = time.time()
-    policy, tokenizer = load_policy()
-    with torch.random.fork_rng(devices=[]):  # the same pairs whatever --seed is, since they are cached for all
-        torch.manual_seed(0)
-        pairs, skipped = build_verifier_pairs(policy, tokenizer, task, args, device)
-    pairs.save_to_disk(pairs_dir + ".partial")
-    with open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w") as f:
-        json.dump(skipped, f)
-    os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
-    return pairs, skipped, time.time() - start
+    missing, start = not os.path.isdir(pairs_dir), time.time()
+    if world_size() > 1:  # under torchrun rank 0 builds them (alone) while the others wait; every rank must agree
+        missing = bool(all_reduce(torch.tensor(int(missing)), "max"))
+    if missing and is_main():
+        policy, tokenizer = load_policy()
+        with torch.random.fork_rng(devices=[]), alone():  # the same pairs whatever --seed is: they are cached for all
+            torch.manual_seed(0)
+            pairs, skipped = build_verifier_pairs(policy, tokenizer, task, args, device)
+        pairs.save_to_disk(pairs_dir + ".partial")
+        with open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w") as f:
+            json.dump(skipped, f)
+        os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
+    barrier()
+    with open(os.path.join(pairs_dir, "skipped.json")) as f:
+        skipped = json.load(f)
+    return datasets.load_from_disk(pairs_dir), skipped, time.time() - start if missing else 0.0
 
 
 def load_preference_dataset(path: str):
@@ -827,14 +1094,19 @@ class MetricsLogger:
     With `resume_step` (--resume) both files keep their rows up to that step (those after it were logged by the
     interrupted run after its last checkpoint, and will be logged again), new rows are appended, a step already in the
     file is not written again, and time/elapsed goes on from the last kept row. `last` is the last kept row and
-    `last_eval` its latest evaluation ({} on a fresh run)."""
+    `last_eval` its latest evaluation ({} on a fresh run).
+
+    Under torchrun every rank calls `log` with its own metrics; they are pooled over ranks (see aggregate) and rank 0
+    writes them. A metric may be a tensor of samples (e.g. lengths), logged as their mean."""
 
     def __init__(self, output_dir: str, resume_step: int | None = None):
-        os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
         samples_path = os.path.join(output_dir, "samples.jsonl")
         kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
-        self.file, self.samples = open(self.path, "w"), open(samples_path, "w")
+        self.file, self.samples = io.StringIO(), io.StringIO()  # other ranks than 0 write nothing
+        if is_main():
+            os.makedirs(output_dir, exist_ok=True)
+            self.file, self.samples = open(self.path, "w"), open(samples_path, "w")
         for file, path in ((self.file, self.path), (self.samples, samples_path)):
             file.writelines(json.dumps(row) + "\n" for row in kept[path])
             file.flush()
@@ -863,7 +1135,12 @@ class MetricsLogger:
         if step <= self.done_step:  # already in the file (--resume)
             return
         row = {"step": step, "time/elapsed": round(time.time() - self.start, 3)}
-        row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items() if k != "samples"})
+        numbers = {k: v for k, v in metrics.items() if k != "samples"}
+        if world_size() > 1:
+            numbers = aggregate([numbers])
+        row.update(
+            {k: (v.item() if v.numel() == 1 else v.mean().item()) if torch.is_tensor(v) else v for k, v in numbers.items()}
+        )
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for sample in metrics.get("samples", []):
@@ -913,17 +1190,48 @@ class Checkpoint:
         return self.rng.get_state() if isinstance(self.rng, torch.Generator) else self.rng.getstate()
 
     def save(self, step: int) -> None:
+        """Under torchrun every rank calls this (FSDP2 shards are gathered, each rank's torch RNG state is kept) and
+        rank 0 writes the file."""
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {i: {k: local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         state = {
             "step": step,
-            "trained": [p.detach().cpu() for p in self.trained()],
-            "optimizer": self.optimizer.state_dict(),
+            "trained": [local(p.detach()).cpu() for p in self.trained()],
+            "optimizer": optimizer,
             "rng": self.rng_state(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "torch_rng": self.per_rank(torch.get_rng_state()),
+            "cuda_rng": self.per_rank(torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []),
             "extra": self.get_extra(),
         }
-        torch.save(state, self.path + ".partial")
-        os.replace(self.path + ".partial", self.path)
+        if is_main():
+            torch.save(state, self.path + ".partial")
+            os.replace(self.path + ".partial", self.path)
+        barrier()
+
+    @staticmethod
+    def per_rank(value):
+        """value itself in one process; under torchrun the list of every rank's value."""
+        if world_size() == 1:
+            return value
+        values = [None] * world_size()
+        dist.all_gather_object(values, value)
+        return values
+
+    def mine(self, value):
+        if world_size() == 1:
+            return value
+        if not isinstance(value, list) or len(value) != world_size():
+            raise SystemExit(f"--resume: {self.path} was saved by another number of processes than this run's")
+        return value[rank()]
+
+    @staticmethod
+    def shaped_like(saved: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """A saved full tensor laid out like the parameter p: sharded the same way under FSDP2."""
+        if not hasattr(p, "device_mesh"):
+            return saved
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(saved.to(p.device), p.device_mesh, p.placements)
 
     def load(self) -> None:
         state = torch.load(
@@ -934,23 +1242,30 @@ class Checkpoint:
             raise SystemExit(f"--resume: {self.path} holds other weights than this run's model (another script or model?)")
         with torch.no_grad():
             for p, saved in zip(trained, state["trained"]):
-                p.copy_(saved)
+                p.copy_(self.shaped_like(saved, p))
         self.optimizer.load_state_dict(state["optimizer"])
+        for p in trained:  # under FSDP2 the optimizer's state is sharded like its parameter
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    self.optimizer.state[p][k] = self.shaped_like(v, p)
         self.rng.set_state(state["rng"]) if isinstance(self.rng, torch.Generator) else self.rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        torch.set_rng_state(self.mine(state["torch_rng"]))
+        if self.mine(state["cuda_rng"]) and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(self.mine(state["cuda_rng"]))
         self.step = self.resumed_step = state["step"]
         self.extra = state["extra"]
         print(f"resuming after step {self.step} from {self.path}")
 
     def step_done(self, step: int) -> None:
         """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits."""
+        if world_size() > 1:  # one rank interrupted: all of them save and stop at this step
+            self.interrupted = bool(all_reduce(torch.tensor(int(self.interrupted)), "max"))
         if self.interrupted or (self.save_every and step % self.save_every == 0):
             self.save(step)
         if self.interrupted:
             self.close()
-            print(f"saved the checkpoint of step {step} to {self.path}; continue with --resume", file=sys.stderr)
+            if is_main():
+                print(f"saved the checkpoint of step {step} to {self.path}; continue with --resume", file=sys.stderr)
             raise SystemExit(0)
 
     def close(self) -> None:
@@ -967,19 +1282,37 @@ def aggregate(rows: list[dict]) -> dict:
     valid token for a token mean, one per response for a mean over responses, a scalar for a per-step number such as
     the gradient norm); the samples of every row are pooled, then the max of *_max, the min of *_min and the mean of
     the rest is taken. Pooling weights each micro-batch by its tokens (or responses), so that no logged number
-    depends on --micro-batch-size."""
+    depends on --micro-batch-size.
+
+    Under torchrun the samples of every rank are pooled (a rank may lack a metric that another has), so that every
+    rank gets the same numbers, those of one process on the union of the ranks' batches."""
     out = {}
-    for key in dict.fromkeys(k for row in rows for k in row):
-        values = torch.cat(
-            [torch.as_tensor(row[key], dtype=torch.float32).detach().flatten().cpu() for row in rows if key in row]
-        )
-        out[key] = values.max() if key.endswith("_max") else values.min() if key.endswith("_min") else values.mean()
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    if world_size() > 1:  # the union of the ranks' metric names, in a common order
+        names = [None] * world_size()
+        dist.all_gather_object(names, keys)
+        keys = list(dict.fromkeys(k for ks in names for k in ks))
+    pooled, dtype = {}, torch.float32 if world_size() == 1 else torch.float64  # over ranks: exact for Python floats
+    for key in keys:
+        pieces = [torch.as_tensor(local(row[key]), dtype=dtype).detach().flatten().cpu() for row in rows if key in row]
+        pooled[key] = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype)
+    if world_size() == 1:
+        return {k: v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean() for k, v in pooled.items()}
+    values = list(pooled.values())
+    if not values:
+        return out
+    sums = all_reduce(torch.stack([v.sum() for v in values]))
+    counts = all_reduce(torch.tensor([float(len(v)) for v in values], dtype=dtype))
+    mins = all_reduce(torch.stack([v.min() if len(v) else torch.tensor(math.inf, dtype=dtype) for v in values]), "min")
+    maxs = all_reduce(torch.stack([v.max() if len(v) else torch.tensor(-math.inf, dtype=dtype) for v in values]), "max")
+    for i, key in enumerate(keys):
+        out[key] = maxs[i] if key.endswith("_max") else mins[i] if key.endswith("_min") else sums[i] / counts[i]
     return out
 
 
 def check_finite(value: torch.Tensor, what: str, step: int) -> None:
     """Stop the run, saying where, instead of training on NaN or inf."""
-    if not torch.isfinite(value).all():
+    if not torch.isfinite(local(value)).all():
         raise SystemExit(f"non-finite {what} at step {step}: stopping (try a lower --learning-rate)")
 
 
@@ -1046,6 +1379,8 @@ def check_folders(args) -> None:
 def check_common_args(args) -> None:
     """Checks of the flags every RL script shares."""
     check_shared_args(args)
+    check_distributed_args(args)
+    check_divisible(args, "num_prompts")
     for flag in ("temperature", "learning_rate", "max_grad_norm"):
         check_flag(args, flag, "must be positive", lambda v: v > 0)
     check_flag(args, "beta", "must be 0 (no KL penalty) or positive", lambda v: v >= 0)

@@ -58,6 +58,9 @@ class Args:
     """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
+    fsdp: bool = False
+    """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
+    them (DDP); see "More GPUs" in the README"""
 
     # Algorithm specific arguments
     total_steps: int = 120
@@ -90,6 +93,8 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_shared_args(args)
+    common.check_distributed_args(args)
+    common.check_divisible(args, "batch_size")  # under torchrun each process takes its share of every batch
     for flag in ("beta", "learning_rate", "max_grad_norm"):
         common.check_flag(args, flag, "must be positive", lambda v: v > 0)
     common.check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
@@ -177,6 +182,7 @@ if __name__ == "__main__":
     with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
         chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
         ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
+    (policy,) = common.distribute(args, policy)  # under torchrun: DDP, or FSDP2 with --fsdp
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = common.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
@@ -191,11 +197,11 @@ if __name__ == "__main__":
     logger.log(0, {**eval_metrics, **pairs_metrics})
     order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(pairs), generator=generator)
-        mb_idx, order = order[: args.batch_size].to(device), order[args.batch_size :]
+        mb_idx, order = common.shard(order[: args.batch_size]).to(device), order[args.batch_size :]  # torchrun: a share
 
         # -------------------------------------------------------------------------------------------------------------
         # Update: one optimizer step per batch of pairs
@@ -228,8 +234,7 @@ if __name__ == "__main__":
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    policy.save_pretrained(os.path.join(args.output_dir, "model"))
-    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -11,8 +11,7 @@ epochs of minibatch updates, while the critic regresses onto the lambda-returns.
 Departures from the papers:
 1. The reward is a verifier (1 correct, 0 wrong) at the last response token unless --reward-model names a learned
    one, and the reference model is the warm-up policy, never reset.
-2. Truncation at max_new_tokens is treated as termination (V = 0 after the last token): the task scores the
-   truncated answer as final, so there is no future to bootstrap.
+2. Truncation at max_new_tokens is termination (V = 0 after the last token): a truncated answer is scored as final.
 3. The KL coefficient beta is fixed (no adaptive controller); the value loss is not clipped by default (see Args).
 4. The critic is a separate network with its own learning rate; the actor and critic losses are summed, but share no
    parameters. Gradients are clipped per network; AdamW without weight decay.
@@ -65,6 +64,9 @@ class Args:
     """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
+    fsdp: bool = False
+    """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
+    them (DDP); see "More GPUs" in the README"""
     reward_model: str = ""
     """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
     accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""
@@ -111,7 +113,7 @@ class Args:
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
-        self.batch_size = self.num_prompts * self.group_size  # responses per rollout
+        self.batch_size = self.num_prompts * self.group_size // common.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
 
@@ -211,10 +213,11 @@ class Critic(torch.nn.Module):
     """V(s_t) for every response position: the warm-up model's transformer body with a scalar head (zero-initialised,
     so that the first values are 0). The value of the prefix (x, y_<t) is read where the policy reads y_t's logits."""
 
-    def __init__(self, path: str):
+    def __init__(self, args):
         from transformers import AutoModel
 
         super().__init__()
+        path = common.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)  # the warm-up model
         self.body = common.load_local_first(lambda **kw: AutoModel.from_pretrained(path, dtype=torch.float32, **kw), path)
         self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
@@ -250,7 +253,8 @@ if __name__ == "__main__":
         ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = common.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    critic = Critic(common.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)).to(device)
+    policy, ref_policy = common.distribute(args, policy, ref_policy)  # under torchrun: DDP, or FSDP2 with --fsdp
+    critic = common.distribute(args, Critic(args).to(device))[0]  # PPO: under torchrun, wrapped like the policy
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
@@ -260,12 +264,12 @@ if __name__ == "__main__":
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: responses from the frozen behaviour policy pi_old, with their old log-probs and old values
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
-        batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
+        batch = task.train[common.shard(rng.sample(range(len(task.train)), args.num_prompts))]
         prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
         answers = [a for a in batch["answer"] for _ in range(args.group_size)]
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
@@ -303,7 +307,7 @@ if __name__ == "__main__":
         # Advantage: GAE from the rewards and the old values; returns before whitening
         # -------------------------------------------------------------------------------------------------------------
         advantages, returns = compute_gae(token_rewards, old_values, mask, args)  # (B, T) each, PPO: GAE per token
-        raw_advantages = advantages[mask]
+        raw_advantages = common.gather(advantages[mask])  # PPO: the valid tokens of every rank
         if args.whiten_advantages:  # PPO: over the valid tokens of the whole batch
             advantages = torch.where(mask, (advantages - raw_advantages.mean()) / (raw_advantages.std() + 1e-8), 0.0)
         rollout_time = time.time() - step_start
@@ -315,7 +319,7 @@ if __name__ == "__main__":
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
-                num_tokens = mask[mb_idx].sum().clamp(min=1)  # PPO: the token mean is over the whole minibatch
+                num_tokens = common.rank_mean(mask[mb_idx].sum()).clamp(min=1)  # PPO: token mean over the minibatch, all ranks
                 for idx in mb_idx.split(args.micro_batch_size):
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature, args.entropy_coef > 0
@@ -362,16 +366,16 @@ if __name__ == "__main__":
                 "rollout/truncated_frac": truncated.float().mean(),
                 "train/advantage_mean": raw_advantages.mean(),
                 "train/advantage_std": raw_advantages.std(),
-                "train/explained_variance": 1 - (returns - old_values)[mask].var() / returns[mask].var().clamp(min=1e-8),
+                "train/explained_variance": 1 - raw_advantages.var() / common.gather(returns[mask]).var().clamp(min=1e-8),
                 "train/early_stopped": float(stop),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,
-                "train/responses": step * args.batch_size,
+                "train/responses": step * args.num_prompts * args.group_size,
             }
         )
         if args.beta > 0:
             kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0)  # (B, T) k1 per token
-            row.update({"kl/ref": kl.sum() / mask.sum(), "rollout/kl_penalty": args.beta * kl.sum(dim=1).mean()})
+            row.update({"kl/ref": kl[mask], "rollout/kl_penalty": args.beta * kl.sum(dim=1).mean()})
         if step % args.eval_every == 0 or step == args.total_steps:
             eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
             row.update(eval_metrics)
@@ -382,8 +386,7 @@ if __name__ == "__main__":
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    policy.save_pretrained(os.path.join(args.output_dir, "model"))
-    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

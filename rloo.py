@@ -64,6 +64,9 @@ class Args:
     """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
+    fsdp: bool = False
+    """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
+    them (DDP); see "More GPUs" in the README"""
     reward_model: str = ""
     """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
     accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""
@@ -96,7 +99,7 @@ class Args:
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
-        self.batch_size = self.num_prompts * self.group_size  # responses per rollout
+        self.batch_size = self.num_prompts * self.group_size // common.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
 
@@ -188,6 +191,7 @@ if __name__ == "__main__":
         ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = common.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
+    policy, ref_policy = common.distribute(args, policy, ref_policy)  # under torchrun: DDP, or FSDP2 with --fsdp
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
@@ -196,12 +200,12 @@ if __name__ == "__main__":
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: G responses per prompt from the frozen behaviour policy pi_old
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
-        batch = task.train[rng.sample(range(len(task.train)), args.num_prompts)]
+        batch = task.train[common.shard(rng.sample(range(len(task.train)), args.num_prompts))]
         prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
         answers = [a for a in batch["answer"] for _ in range(args.group_size)]
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
@@ -279,7 +283,7 @@ if __name__ == "__main__":
                 "rollout/truncated_frac": truncated.float().mean(),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,
-                "train/responses": step * args.batch_size,
+                "train/responses": step * args.num_prompts * args.group_size,
             }
         )
         if step % args.eval_every == 0 or step == args.total_steps:
@@ -292,8 +296,7 @@ if __name__ == "__main__":
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    policy.save_pretrained(os.path.join(args.output_dir, "model"))
-    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -9,10 +9,10 @@ floating-point differences between two machines. The RL scripts call `warm_up` t
 model and cache the result; you can also run it yourself:
 
     python sft.py --output-dir runs/sft
+    torchrun --standalone --nproc-per-node 2 sft.py --output-dir runs/sft   # data parallel: each process takes half a batch
 """
 
 import copy
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -71,6 +71,7 @@ def task_args(task: str) -> Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.get_device(args.device)
+    common.check_divisible(args, "batch_size")
     common.check_flag(
         args, "task", f"allowed values are {', '.join(common.BUILTIN_TASKS)}", lambda v: v in common.BUILTIN_TASKS
     )
@@ -118,20 +119,24 @@ def warm_up(args: Args) -> dict:
     device = common.get_device(args.device)
     task = common.make_task(args.task)
     tokenizer = common.build_tokenizer()
-    model = common.build_tiny_model(tokenizer, args.max_positions).to(device)
+    model = common.distribute(args, common.build_tiny_model(tokenizer, args.max_positions).to(device))[0]  # torchrun: DDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     train_set, check_set = common.split_by_key(task.train, args.num_check, common.addition_operands, seed=args.seed)
     common.check_flag(args, "batch_size", f"at most the {len(train_set)} training problems", lambda v: v <= len(train_set))
     start, accuracy, approaching = time.time(), 0.0, False
     closest = (float("inf"), None, 0, 0.0)  # (distance to the target, weights, step, accuracy) of the closest check
-    for step in (bar := tqdm(range(1, args.max_steps + 1), desc="sft warm-up")):
-        batch = train_set[rng.sample(range(len(train_set)), args.batch_size)]
+    for step in (bar := tqdm(range(1, args.max_steps + 1), desc="sft warm-up", disable=not common.is_main())):
+        batch = train_set[common.shard(rng.sample(range(len(train_set)), args.batch_size))]  # torchrun: this rank's share
         input_ids, attention_mask, position_ids, is_answer = encode(tokenizer, batch, device)
         with common.autocast(device):
-            logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-        # the loss on the answer's tokens and EOS only; position t predicts token t + 1
+            kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+            logits = common.run(model, lambda m: m(input_ids, **kw).logits)  # noqa: B023 (called at once)
+        # the loss on the answer's tokens and EOS only; position t predicts token t + 1. Under torchrun, the mean over
+        # every rank's answer tokens (the factor is exactly 1 in one process)
+        num_tokens = is_answer[:, 1:].sum()
         loss = F.cross_entropy(logits[:, :-1][is_answer[:, 1:]].float(), input_ids[:, 1:][is_answer[:, 1:]])
+        loss = loss * (num_tokens / common.rank_mean(num_tokens))
         common.check_finite(loss, "warm-up loss", step)
         optimizer.zero_grad()
         loss.backward()
@@ -139,7 +144,8 @@ def warm_up(args: Args) -> dict:
             group["lr"] = args.learning_rate * min(1.0, step / 50)
         optimizer.step()
         if approaching or step % args.check_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, check_set)
+            accuracy = greedy_accuracy(model, tokenizer, check_set)  # under torchrun: every rank agrees on it
+            accuracy = common.rank_mean(torch.tensor(accuracy, dtype=torch.float64)).item()
             if abs(accuracy - args.target_accuracy) < closest[0]:
                 closest = (abs(accuracy - args.target_accuracy), copy.deepcopy(model.state_dict()), step, accuracy)
             if abs(accuracy - args.target_accuracy) <= args.tolerance:
@@ -156,9 +162,7 @@ def warm_up(args: Args) -> dict:
         f"warm-up: {step} steps, {metrics['time/warm_up']:.0f}s, greedy accuracy {accuracy:.1%} on the check set, "
         f"{metrics['eval/accuracy']:.1%} held out"
     )
-    os.makedirs(args.output_dir, exist_ok=True)
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
+    common.save_model(model, tokenizer, args.output_dir)  # under torchrun: rank 0
     return metrics
 
 

@@ -155,7 +155,7 @@ def test_scratchpad_task_is_fixed_disjoint_long_and_verified():
 def test_lengths_by_outcome_splits_correct_from_wrong_and_skips_an_empty_side():
     lengths, scores = torch.tensor([20, 30, 40, 25]), torch.tensor([1.0, 0.0, 0.0, 1.0])
     got = common.lengths_by_outcome(lengths, scores)
-    assert got["rollout/response_length_correct"].item() == 22.5 and got["rollout/response_length_wrong"].item() == 35.0
+    assert got["rollout/response_length_correct"].mean().item() == 22.5 and got["rollout/response_length_wrong"].mean() == 35.0
     assert list(common.lengths_by_outcome(lengths, torch.zeros(4))) == ["rollout/response_length_wrong"]
 
 
