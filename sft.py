@@ -143,7 +143,7 @@ def warm_up(args: Args) -> dict:
         for group in optimizer.param_groups:  # linear warm-up over 50 steps, then constant
             group["lr"] = args.learning_rate * min(1.0, step / 50)
         optimizer.step()
-        if approaching or step % args.check_every == 0:
+        if approaching or step % args.check_every == 0 or step == args.max_steps:  # a last check: some state is kept
             accuracy = greedy_accuracy(model, tokenizer, check_set)  # under torchrun: every rank agrees on it
             accuracy = common.rank_mean(torch.tensor(accuracy, dtype=torch.float64)).item()
             if abs(accuracy - args.target_accuracy) < closest[0]:

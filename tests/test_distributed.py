@@ -1,0 +1,120 @@
+"""Training over several processes (torchrun, gloo on CPU) updates the weights exactly as one process that trains on the
+union of the processes' rollouts; FSDP2 updates them as DDP does. One torchrun runs every script (see
+distributed_jobs.py); each comparison then runs the script once more, in this process, on the recorded rollouts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed_jobs import keep_every_checkpoint, text_reward
+from test_smoke import ROOT, rows, run_here
+
+import common
+
+SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py"]
+SHARDED = ["grpo.py", "ppo.py"]
+
+
+def flags(script: str, model_dir: str, pairs: str) -> list[str]:
+    """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes."""
+    shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", "2", "--save-every", "1"]
+    shared += ["--eval-every", "2", "--max-new-tokens", "4"]
+    if script == "dpo.py":
+        return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
+    if script == "ppo.py":
+        return shared + ["--num-prompts", "8", "--num-minibatches", "1", "--num-epochs", "1"]
+    return shared + ["--num-prompts", "4", "--group-size", "4", "--num-minibatches", "1"]
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    """Every script for 2 steps under `torchrun --nproc-per-node 2` (DDP), grpo.py and ppo.py again with --fsdp on the
+    same rollouts, and sft.py: all in one torchrun. Returns the folder with ddp/, fsdp/, rollouts/ and sft/."""
+    root = tmp_path_factory.mktemp("distributed")
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(8)))
+    jobs = []
+    for script in SCRIPTS:
+        name = script[:-3]
+        argv = flags(script, model_dir, str(pairs))
+        jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
+        jobs[-1]["rollouts"] = "" if script == "dpo.py" else str(root / "rollouts" / name)
+        if script in SHARDED:
+            fsdp = argv + ["--fsdp", "--output-dir", str(root / "fsdp" / name)]
+            jobs.append({"script": script, "argv": fsdp, "rollouts": jobs[-1]["rollouts"]})
+    sft_argv = ["--device", "cpu", "--max-steps", "2", "--num-check", "100", "--output-dir", str(root / "sft")]
+    jobs.append({"script": "sft.py", "argv": sft_argv, "rollouts": ""})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [os.path.join(ROOT, "tests", "distributed_jobs.py"), str(root / "jobs.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return root
+
+
+def trained(path) -> list[torch.Tensor]:
+    return torch.load(path, weights_only=False)["trained"]
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, model_dir, monkeypatch, script):
+    """The weights after the first optimizer step (and the second) of 2 ranks equal, to 1e-5, those of one process that
+    replays the union of the 2 ranks' rollouts (DPO: of their pairs) with the same flags. Global reductions enter here:
+    PPO's whitening and token mean, DAPO's token mean and kept groups, every script's mean over responses. The first
+    update moves some weight by more than 1e-5, so a missing average or a rank-local normaliser would show."""
+    name = script[:-3]
+    monkeypatch.setattr(common.Task, "reward", text_reward)
+    monkeypatch.setattr(common.Checkpoint, "save", keep_every_checkpoint())
+    if script != "dpo.py":
+        monkeypatch.setenv("TINY_RLHF_ROLLOUTS", str(runs / "rollouts" / name))
+    one = runs / "one" / name
+    run_here(monkeypatch, script, *flags(script, model_dir, str(runs / "pairs.jsonl")), "--output-dir", str(one))
+    for step in (1, 2):
+        ranks, single = trained(runs / "ddp" / name / f"checkpoint.pt.{step}"), trained(one / f"checkpoint.pt.{step}")
+        assert max_difference(ranks, single) < 1e-5, f"step {step}"
+    assert max_difference(trained(runs / "ddp" / name / "checkpoint.pt.1"), trained(one / "checkpoint.pt.2")) > 1e-5
+    ranks, single = rows(runs / "ddp" / name), rows(one)
+    assert [r["step"] for r in ranks] == [0, 1, 2]  # one metrics.jsonl, written once per step
+    for key in ("eval/accuracy", "loss/policy" if script != "dpo.py" else "loss/dpo"):  # pooled over ranks
+        assert ranks[-1][key] == pytest.approx(single[-1][key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("script", SHARDED)
+def test_fsdp_updates_like_ddp_and_saves_a_model_that_loads(runs, script):
+    from transformers import AutoModelForCausalLM
+
+    name = script[:-3]
+    for step in (1, 2):
+        ddp, fsdp = (trained(runs / kind / name / f"checkpoint.pt.{step}") for kind in ("ddp", "fsdp"))
+        assert max_difference(ddp, fsdp) < 1e-5, f"step {step}"
+    model = AutoModelForCausalLM.from_pretrained(runs / "fsdp" / name / "model")
+    saved = [p.detach() for p in model.parameters()]
+    assert max_difference(saved, fsdp[: len(saved)]) == 0.0  # the gathered shards: the trained policy itself
+    assert [r["step"] for r in rows(runs / "fsdp" / name)] == [0, 1, 2]
+
+
+def test_sft_runs_under_torchrun(runs):
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(runs / "sft").num_parameters() > 0
+
+
+def test_num_prompts_must_split_over_the_processes(monkeypatch):
+    import grpo
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    args = grpo.Args(num_prompts=32)
+    with pytest.raises(SystemExit, match="--num-prompts 32: must split evenly over the 3 processes"):
+        common.check_divisible(args, "num_prompts")
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(SystemExit, match="--fsdp: shards the model over the processes of torchrun"):
+        grpo.check_args(grpo.Args(fsdp=True))
