@@ -45,11 +45,13 @@ class Args:
     rlhf: bool = False
     """instead of the table: the learned-reward pipeline on addition, reward_model.py then ppo.py --reward-model for
     --rlhf-steps steps (one seed), into RUNS_DIR/rlhf, with its chart and summary in DOCS_DIR/rlhf"""
-    rlhf_steps: int = 200
+    rlhf_steps: int = 100
+    """ppo.py steps against the learned reward model: long enough to see whether the gold accuracy follows the proxy"""
+    rlhf_betas: list[float] = field(default_factory=lambda: [0.5, 0.05])
+    """one ppo.py run against the reward model per KL coefficient --beta (0.05: ppo.py's default, tuned for the verifier)"""
     memory: bool = False
     """instead of the table: the peak memory of one log-prob pass at Qwen2.5's vocabulary (8 responses of 256 tokens),
     without and with a gradient, against its fp32 logits, each in a fresh process (to DOCS_DIR/memory.md)"""
-    """ppo.py steps against the learned reward model: long enough to see whether the gold accuracy follows the proxy"""
 
 
 def run_all(args: Args, task: str) -> dict:
@@ -172,14 +174,20 @@ def plot(results: dict, key: str, ylabel: str, path: str, x: str = "time/elapsed
     plt.close(fig)
 
 
-def run_rlhf(args: Args) -> tuple[list[dict], list[dict]]:
+def run_rlhf(args: Args) -> tuple[list[dict], dict[float, list[dict]]]:
     """The three stages on addition: the cached warm-up (sft.py), reward_model.py on dpo.py's verifier-labelled pairs,
-    then ppo.py with --reward-model, the verifier only logged (the gold measure). Returns both runs' rows."""
+    then ppo.py with --reward-model, the verifier only logged (the gold measure), once per --rlhf-betas. Returns the
+    reward model's rows and {beta: the PPO run's rows}."""
     out = os.path.join(args.runs_dir, "rlhf")
     rm = run_once("reward_model", ["--seed", "1"], f"{out}/reward_model__1", args.fresh, "rlhf: reward_model")
     flags = ["--seed", "1", "--reward-model", f"{out}/reward_model__1/model", "--total-steps", str(args.rlhf_steps)]
-    ppo = run_once("ppo", [*flags, "--eval-every", "10"], f"{out}/ppo__1", args.fresh, "rlhf: ppo against it")
-    return rm, ppo
+    runs = {}
+    for beta in args.rlhf_betas:
+        label = f"rlhf: ppo against it, beta {beta}"
+        runs[beta] = run_once(
+            "ppo", [*flags, "--eval-every", "5", "--beta", str(beta)], f"{out}/ppo_beta{beta}__1", args.fresh, label
+        )
+    return rm, runs
 
 
 def response_kl(row: dict) -> float:
@@ -193,17 +201,28 @@ def smooth(values: list[float], window: int = 10) -> list[float]:
     return [statistics.mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def plot_overoptimisation(ppo_rows: list[dict], path: str) -> None:
-    """The proxy (the learned reward the policy maximises) and the gold measure (the verifier's accuracy, on the
-    sampled responses and greedy on the held-out problems) against the KL to the reference, and against steps."""
+def plot_overoptimisation(runs: dict[float, list[dict]], path: str) -> None:
+    """Per PPO run (one row per KL coefficient): the proxy (the learned reward the policy maximises) and the gold
+    measure (the verifier's accuracy, on the sampled responses and greedy on the held-out problems) against the KL to
+    the reference, and against steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, grid = plt.subplots(len(runs), 2, figsize=(11, 4.2 * len(runs)), squeeze=False)
+    for axes, (beta, ppo_rows) in zip(grid, runs.items()):
+        plot_run(axes, ppo_rows)
+        axes[1].set_title(f"ppo.py --reward-model ... --beta {beta}", fontsize=10)
+    fig.suptitle("PPO against a learned reward model (addition; rollout curves: 10-step moving average)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_run(axes, ppo_rows: list[dict]) -> None:
     steps = [r for r in ppo_rows if "rollout/reward_mean" in r and "kl/ref" in r]
     evals = [r for r in ppo_rows if "eval/accuracy" in r]  # step 0 too: the warm-up, at KL 0
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, x, xlabel in ((axes[0], response_kl, "KL to the reference per response (nats)"), (axes[1], None, "step")):
         xs = [x(r) if x else r["step"] for r in steps]
         proxy = ax.plot(xs, smooth([r["rollout/reward_mean"] for r in steps]), color="tab:red", label="proxy: learned reward")
@@ -218,31 +237,36 @@ def plot_overoptimisation(ppo_rows: list[dict], path: str) -> None:
         gold_ax.set_ylabel("verifier accuracy")
         ax.grid(alpha=0.3)
     axes[0].legend(proxy + gold + held, [line.get_label() for line in proxy + gold + held], fontsize=8, loc="center right")
-    fig.suptitle("PPO against a learned reward model (addition; rollout curves: 10-step moving average)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
-def rlhf_summary(rm_rows: list[dict], ppo_rows: list[dict]) -> str:
-    """A few lines of markdown: the reward model's held-out accuracy, and the PPO run's gold accuracy and proxy."""
+def minutes(rows: list[dict]) -> str:
+    return f"{rows[0]['time/command'] / 60:.1f}" if "time/command" in rows[0] else "-"
+
+
+def rlhf_summary(rm_rows: list[dict], runs: dict[float, list[dict]]) -> str:
+    """A few lines of markdown: the reward model's held-out accuracy, and each PPO run's gold accuracy and proxy."""
     rm_evals = [r for r in rm_rows if "eval/pairwise_accuracy" in r]
+    lines = [
+        f"- reward_model.py: {rm_rows[0]['data/pairs']} training pairs, {rm_rows[0]['data/eval_pairs']} held out; "
+        f"held-out pairwise accuracy {rm_evals[0]['eval/pairwise_accuracy']:.3f} -> "
+        f"{rm_evals[-1]['eval/pairwise_accuracy']:.3f} (best {max(r['eval/pairwise_accuracy'] for r in rm_evals):.3f}); "
+        f"{minutes(rm_rows)} minutes (whole command)"
+    ]
+    return "\n".join(lines + [ppo_summary(beta, rows) for beta, rows in runs.items()])
+
+
+def ppo_summary(beta: float, ppo_rows: list[dict]) -> str:
     evals = [r for r in ppo_rows if "eval/accuracy" in r]
     best = max(evals, key=lambda r: r["eval/accuracy"])
     steps = [r for r in ppo_rows if "rollout/reward_mean" in r]
     first, last = steps[:10], steps[-10:]
     mean = lambda rows, key: statistics.mean(r[key] for r in rows)  # noqa: E731
-    minutes = lambda rows: f"{rows[0]['time/command'] / 60:.1f}" if "time/command" in rows[0] else "-"  # noqa: E731
     return "\n".join(
         [
-            f"- reward_model.py: {rm_rows[0]['data/pairs']} training pairs, {rm_rows[0]['data/eval_pairs']} held out; "
-            f"held-out pairwise accuracy {rm_evals[0]['eval/pairwise_accuracy']:.3f} -> "
-            f"{rm_evals[-1]['eval/pairwise_accuracy']:.3f} (best {max(r['eval/pairwise_accuracy'] for r in rm_evals):.3f}); "
-            f"{minutes(rm_rows)} minutes (whole command)",
-            f"- ppo.py --reward-model: gold held-out accuracy {evals[0]['eval/accuracy']:.3f} at the start, best "
-            f"{best['eval/accuracy']:.3f} at step {best['step']}, {evals[-1]['eval/accuracy']:.3f} at step "
+            f"- ppo.py --reward-model --beta {beta}: gold held-out accuracy {evals[0]['eval/accuracy']:.3f} at the start, "
+            f"best {best['eval/accuracy']:.3f} at step {best['step']}, {evals[-1]['eval/accuracy']:.3f} at step "
             f"{evals[-1]['step']}; {minutes(ppo_rows)} minutes (whole command)",
-            f"- proxy (learned reward of the samples, mean of 10 steps): {mean(first, 'rollout/reward_mean'):.3f} at the "
+            f"  - proxy (learned reward of the samples, mean of 10 steps): {mean(first, 'rollout/reward_mean'):.3f} at the "
             f"start, {mean(last, 'rollout/reward_mean'):.3f} at the end; gold accuracy of the samples "
             f"{mean(first, 'rollout/gold_accuracy'):.3f} -> {mean(last, 'rollout/gold_accuracy'):.3f}; KL to the reference "
             f"per response {statistics.mean(response_kl(r) for r in last):.3f} nats at the end",
@@ -354,12 +378,12 @@ if __name__ == "__main__":
         print(table)
         raise SystemExit(0)
     if args.rlhf:
-        rm_rows, ppo_rows = run_rlhf(args)
+        rm_rows, runs = run_rlhf(args)
         os.makedirs(os.path.join(args.docs_dir, "rlhf"), exist_ok=True)
-        plot_overoptimisation(ppo_rows, os.path.join(args.docs_dir, "rlhf", "overoptimisation.png"))
+        plot_overoptimisation(runs, os.path.join(args.docs_dir, "rlhf", "overoptimisation.png"))
         with open(os.path.join(args.docs_dir, "rlhf", "results.md"), "w") as f:
-            f.write(rlhf_summary(rm_rows, ppo_rows) + "\n")
-        print(rlhf_summary(rm_rows, ppo_rows))
+            f.write(rlhf_summary(rm_rows, runs) + "\n")
+        print(rlhf_summary(rm_rows, runs))
         raise SystemExit(0)
     for task in args.tasks:
         results = zero_variance_fraction(run_all(args, task))

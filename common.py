@@ -1,5 +1,5 @@
-"""Plumbing shared by every script: seeding, device, the built-in task and its reward, the built-in tiny model,
-sampling, evaluation, preference pairs, reward-model scoring and metrics logging.
+"""Plumbing shared by every script: seeding, device, several processes (torchrun: DDP, FSDP2), the built-in task and
+its reward, the built-in tiny model, sampling, evaluation, preference pairs, reward-model scoring and metrics logging.
 No advantage estimator and no loss lives here: those are in the scripts."""
 
 import atexit

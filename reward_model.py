@@ -103,6 +103,8 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     common.check_shared_args(args)
+    if common.world_size() > 1:
+        raise SystemExit("reward_model.py runs as one process (it takes a few minutes); torchrun is for the training scripts")
     common.check_data_flags(args)
     for flag in ("learning_rate", "max_grad_norm"):
         common.check_flag(args, flag, "must be positive", lambda v: v > 0)

@@ -66,9 +66,9 @@ def test_rlhf_summary_reports_the_best_gold_evaluation_and_the_proxy():
         if step % 10 == 0:
             row["eval/accuracy"] = {10: 0.7, 20: 0.6, 30: 0.55}[step]
         ppo.append(row)
-    lines = benchmark.rlhf_summary(rm, ppo).splitlines()
+    lines = benchmark.rlhf_summary(rm, {0.5: ppo}).splitlines()
     assert "900 training pairs, 100 held out" in lines[0] and "0.500 -> 0.800 (best 0.820)" in lines[0]
     assert "2.0 minutes" in lines[0] and "- minutes" in lines[1]
-    assert "0.500 at the start, best 0.700 at step 10, 0.550 at step 30" in lines[1]
+    assert "--beta 0.5: gold held-out accuracy 0.500 at the start, best 0.700 at step 10, 0.550 at step 30" in lines[1]
     assert "0.550 at the start, 2.550 at the end" in lines[2]  # steps 1-10 and 21-30: means 0.55 and 2.55
     assert "0.200 nats" in lines[2]
