@@ -45,7 +45,7 @@ class Args:
     rlhf: bool = False
     """instead of the table: the learned-reward pipeline on addition, reward_model.py then ppo.py --reward-model for
     --rlhf-steps steps (one seed), into RUNS_DIR/rlhf, with its chart and summary in DOCS_DIR/rlhf"""
-    rlhf_steps: int = 100
+    rlhf_steps: int = 200
     """ppo.py steps against the learned reward model: long enough to see whether the gold accuracy follows the proxy"""
     rlhf_betas: list[float] = field(default_factory=lambda: [0.5, 0.05])
     """one ppo.py run against the reward model per KL coefficient --beta (0.05: ppo.py's default, tuned for the verifier)"""
