@@ -2,7 +2,7 @@
 
     pip install matplotlib                    # only this script needs it
     python benchmark.py                       # 2 tasks x 7 algorithms x 3 seeds, one after another (hours on a CPU)
-    python benchmark.py --tasks addition      # one task: about 70 minutes on a 2-core CPU
+    python benchmark.py --tasks addition      # one task: about 50 minutes on a 2-core CPU (one thread)
     python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
 
 Each run writes runs/benchmark/<task>/<algorithm>__<seed>/metrics.jsonl; complete runs are reused unless --fresh, so
