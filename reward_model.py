@@ -8,7 +8,7 @@ with one output). It is then held fixed while a policy is optimised against it, 
 warm-up (sft.py), reward model (this file), PPO (ppo.py; grpo.py and its siblings take it too):
 
     python reward_model.py
-    python ppo.py --reward-model runs/reward_model__1/model
+    python ppo.py --reward-model runs/reward_model__1/model --beta 0.5   # a KL penalty strong enough for a proxy
 
 The policy then sees only R; the verifier stays in the logs as the gold measure (rollout/gold_accuracy, eval/accuracy),
 so that over-optimisation of the learned proxy (Gao et al. 2022) shows as a rising reward with a flat or falling
