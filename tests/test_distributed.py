@@ -18,9 +18,9 @@ SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "
 SHARDED = ["grpo.py", "ppo.py"]
 
 
-def flags(script: str, model_dir: str, pairs: str) -> list[str]:
+def flags(script: str, model_dir: str, pairs: str, steps: int = 2) -> list[str]:
     """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes."""
-    shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", "2", "--save-every", "1"]
+    shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", str(steps), "--save-every", "1"]
     shared += ["--eval-every", "2", "--max-new-tokens", "4"]
     if script == "dpo.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
@@ -45,6 +45,12 @@ def runs(model_dir, tmp_path_factory):
         if script in SHARDED:
             fsdp = argv + ["--fsdp", "--output-dir", str(root / "fsdp" / name)]
             jobs.append({"script": script, "argv": fsdp, "rollouts": jobs[-1]["rollouts"]})
+    # PPO under FSDP2 (sharded weights, a critic, sharded optimizer state): 2 steps, against 1 step and then --resume
+    ppo = lambda steps, out, *more: (
+        flags("ppo.py", model_dir, str(pairs), steps) + ["--fsdp", "--output-dir", str(root / out), *more]
+    )  # noqa: E731
+    for argv in (ppo(2, "whole"), ppo(1, "parts"), ppo(2, "parts", "--resume")):
+        jobs.append({"script": "ppo.py", "argv": argv, "rollouts": ""})
     sft_argv = ["--device", "cpu", "--max-steps", "2", "--num-check", "100", "--output-dir", str(root / "sft")]
     jobs.append({"script": "sft.py", "argv": sft_argv, "rollouts": ""})
     (root / "jobs.json").write_text(json.dumps(jobs))
@@ -100,6 +106,22 @@ def test_fsdp_updates_like_ddp_and_saves_a_model_that_loads(runs, script):
     saved = [p.detach() for p in model.parameters()]
     assert max_difference(saved, fsdp[: len(saved)]) == 0.0  # the gathered shards: the trained policy itself
     assert [r["step"] for r in rows(runs / "fsdp" / name)] == [0, 1, 2]
+
+
+def test_a_resumed_fsdp_run_ends_like_an_uninterrupted_one(runs):
+    """ppo.py --fsdp under 2 ranks: 2 steps in one go, against 1 step and then --resume for the second. The checkpoint
+    gathers the shards of the weights and of the optimizer state and keeps each rank's random state: the metrics (but
+    time/* and the first run's final evaluation at step 1) and the final weights are identical."""
+    from safetensors.torch import load_file
+
+    untimed = lambda run: [  # noqa: E731
+        {k: v for k, v in r.items() if not k.startswith("time/") and not (k.startswith("eval/") and r["step"] == 1)}
+        for r in rows(runs / run)
+    ]
+    assert untimed("parts") == untimed("whole") and [r["step"] for r in rows(runs / "parts")] == [0, 1, 2]
+    whole, parts = (load_file(runs / run / "model" / "model.safetensors") for run in ("whole", "parts"))
+    assert all(torch.equal(whole[k], parts[k]) for k in whole)
+    assert max_difference(trained(runs / "whole" / "checkpoint.pt"), trained(runs / "parts" / "checkpoint.pt")) == 0.0
 
 
 def test_sft_runs_under_torchrun(runs):
