@@ -107,6 +107,14 @@ def barrier() -> None:
         dist.barrier()
 
 
+def wait_for(path: str) -> None:
+    """The ranks other than 0 wait until rank 0 has built `path` (moved into place when complete), polling the file
+    system rather than waiting in a collective, which would time out (after 10 minutes with NCCL) on a long build."""
+    while not is_main() and not os.path.exists(path):
+        time.sleep(2)
+    barrier()
+
+
 def _comm(x: torch.Tensor) -> torch.Tensor:
     """A copy of x on the device the process group communicates on (NCCL needs CUDA tensors)."""
     return x.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)
@@ -191,19 +199,23 @@ def distribute(args, *models):
     (--seed + rank), so that the ranks do not generate the same responses from the same prompts."""
     if world_size() == 1:
         return models
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as shard_on
     from torch.nn.parallel import DistributedDataParallel
 
-    device = next(p.device for m in models if m is not None for p in m.parameters())
-    ddp = lambda module: DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
-    if getattr(args, "fsdp", False):  # our outputs (log-probs, values) are never changed in place, which it warns about
+    device, fsdp = next(p.device for m in models if m is not None for p in m.parameters()), getattr(args, "fsdp", False)
+    if fsdp:  # one mesh over every rank, on this run's device (not the machine's accelerator)
+        mesh = init_device_mesh(device.type, (world_size(),))
+        fully_shard = lambda module: shard_on(module, mesh=mesh)  # noqa: E731
+        # our outputs (log-probs, values) are never changed in place, which FSDP2 warns about for views
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    ddp = lambda module: DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)  # noqa: E731
     out = []
     for model in models:
         is_lm = model is not None and hasattr(model, "generate")  # a transformers model: scripts call it directly
-        if model is None or (not getattr(args, "fsdp", False) and not any(p.requires_grad for p in model.parameters())):
-            out.append(model)
-        elif not getattr(args, "fsdp", False):
+        if model is None or (not fsdp and not any(p.requires_grad for p in model.parameters())):
+            out.append(model)  # nothing to do (a frozen model under DDP is simply loaded on every rank)
+        elif not fsdp:
             if is_lm:
                 model.__dict__["_distributed"] = ddp(_Root(model))  # in __dict__: not a submodule of the model
             out.append(model if is_lm else ddp(model))
@@ -606,7 +618,7 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
             with alone():
                 sft.warm_up(dataclasses.replace(sft.task_args(task), output_dir=path + ".partial"))
             os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
-        barrier()
+        wait_for(os.path.join(path, "config.json"))
     return path
 
 
@@ -1024,7 +1036,7 @@ def verifier_pairs(args, task: Task, load_policy: Callable, device: torch.device
         with open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w") as f:
             json.dump(skipped, f)
         os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
-    barrier()
+    wait_for(pairs_dir)
     with open(os.path.join(pairs_dir, "skipped.json")) as f:
         skipped = json.load(f)
     return datasets.load_from_disk(pairs_dir), skipped, time.time() - start if missing else 0.0
@@ -1103,6 +1115,7 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         samples_path = os.path.join(output_dir, "samples.jsonl")
         kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
+        barrier()  # every rank has read the files before rank 0 rewrites them
         self.file, self.samples = io.StringIO(), io.StringIO()  # other ranks than 0 write nothing
         if is_main():
             os.makedirs(output_dir, exist_ok=True)
@@ -1193,7 +1206,8 @@ class Checkpoint:
         """Under torchrun every rank calls this (FSDP2 shards are gathered, each rank's torch RNG state is kept) and
         rank 0 writes the file."""
         optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {i: {k: local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        cpu = lambda v: local(v).cpu() if torch.is_tensor(v) else v  # noqa: E731 (FSDP2: one gathered tensor at a time)
+        optimizer["state"] = {i: {k: cpu(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         state = {
             "step": step,
             "trained": [local(p.detach()).cpu() for p in self.trained()],
@@ -1243,11 +1257,11 @@ class Checkpoint:
         with torch.no_grad():
             for p, saved in zip(trained, state["trained"]):
                 p.copy_(self.shaped_like(saved, p))
-        self.optimizer.load_state_dict(state["optimizer"])
-        for p in trained:  # under FSDP2 the optimizer's state is sharded like its parameter
-            for k, v in self.optimizer.state.get(p, {}).items():
+        for i, p in enumerate(trained):  # under FSDP2 the optimizer's state is sharded like its parameter, one at a time
+            for k, v in state["optimizer"]["state"].get(i, {}).items():
                 if torch.is_tensor(v) and v.shape == p.shape:
-                    self.optimizer.state[p][k] = self.shaped_like(v, p)
+                    state["optimizer"]["state"][i][k] = self.shaped_like(v, p)
+        self.optimizer.load_state_dict(state["optimizer"])
         self.rng.set_state(state["rng"]) if isinstance(self.rng, torch.Generator) else self.rng.setstate(state["rng"])
         torch.set_rng_state(self.mine(state["torch_rng"]))
         if self.mine(state["cuda_rng"]) and torch.cuda.is_available():
