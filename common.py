@@ -1403,7 +1403,9 @@ def check_common_args(args) -> None:
     check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
     check_flag(args, "total_steps", "must be 0 (the script's number for the task) or positive", lambda v: v >= 0)
     check_flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)
-    check_flag(args, "num_eval", "must be at least 1", lambda v: v >= 1)
+    check_flag(
+        args, "num_eval", f"must be at least 1, and one per process ({world_size()})", lambda v: v >= max(1, world_size())
+    )
     check_resume_flags(args)
     check_data_flags(args)
     if args.reward_model and not os.path.isfile(os.path.join(args.reward_model, "config.json")):
