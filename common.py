@@ -70,7 +70,7 @@ def autocast(device: torch.device):
 # computes its loss on them, and the gradients are averaged over the ranks, so that an update equals one process's
 # update on the union of the ranks' rollouts. The scripts see the plain model throughout: `distribute` keeps the DDP or
 # FSDP2 module on the side, and the passes that must go through it (log-probs with a gradient; every pass under FSDP2)
-# are routed there by `run`. Reductions that are global in the algorithm use `rank_mean` or `gather`; metrics are
+# are routed there by `run`. Reductions that are global in the algorithm use `count_share` or `gather`; metrics are
 # pooled over ranks by `aggregate` and `MetricsLogger`; rank 0 alone writes files.
 
 _alone = False  # inside `alone()`: this process works by itself (rank 0 building a cache), without collectives
@@ -133,6 +133,13 @@ def rank_mean(x: torch.Tensor) -> torch.Tensor:
     """The mean over ranks of x. A loss normalised by rank_mean(count) instead of this rank's count becomes, once DDP or
     FSDP2 averages the gradients over ranks, the loss normalised by the count of the whole batch (a global token mean)."""
     return all_reduce(x) / world_size()
+
+
+def count_share(count: torch.Tensor) -> torch.Tensor:
+    """The normaliser of a mean over the whole batch (e.g. its valid tokens), as this rank's share: the count over all
+    ranks, at least 1, divided by the number of ranks (in one process: max(count, 1)). A rank's sum divided by it,
+    once DDP or FSDP2 averages the gradients over ranks, is the sum over all ranks divided by their total count."""
+    return rank_mean(count).clamp(min=1 / world_size())
 
 
 def everywhere(flag: bool) -> bool:

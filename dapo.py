@@ -316,7 +316,7 @@ if __name__ == "__main__":
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
-                num_tokens = common.rank_mean(loss_mask[mb_idx].sum()).clamp(min=1)  # DAPO: token mean, minibatch, all ranks
+                num_tokens = common.count_share(loss_mask[mb_idx].sum())  # DAPO: token mean, minibatch, all ranks
                 for idx in mb_idx.split(args.micro_batch_size):
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature

@@ -301,3 +301,9 @@ def test_the_readme_example_task_works(monkeypatch):
     key = lambda p: tuple(sorted(p[:-1].split("*")))  # noqa: E731
     assert not {key(p) for p in task.train["prompt"]} & {key(p) for p in task.eval["prompt"]}
     assert task.instruction.startswith("Multiply")
+
+
+def test_count_share_in_one_process_is_the_count_at_least_one():
+    """In one process the share is the whole count, never below 1 (an empty minibatch divides by 1, not 0)."""
+    assert common.count_share(torch.tensor(5)).item() == 5.0 and common.count_share(torch.tensor(0)).item() == 1.0
+    assert common.shard(list(range(6))) == list(range(6)) and common.gather(torch.arange(3)).tolist() == [0, 1, 2]
