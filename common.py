@@ -614,9 +614,8 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     if name != "builtin":
         return name
     path = builtin_model_dir(cache_dir, task)
-    missing = not os.path.isfile(os.path.join(path, "config.json"))
-    if world_size() > 1:  # under torchrun rank 0 warms up (alone) while the others wait; every rank must agree
-        missing = bool(all_reduce(torch.tensor(int(missing)), "max"))
+    # under torchrun rank 0 warms up (alone) while the others wait: every rank must take the same decision
+    missing = not everywhere(os.path.isfile(os.path.join(path, "config.json")))
     if missing:
         if is_main():
             import sft
@@ -1031,9 +1030,8 @@ def verifier_pairs(args, task: Task, load_policy: Callable, device: torch.device
     recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
     key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
     pairs_dir = os.path.join(cache_root(args.cache_dir), f"dpo-pairs-{key}")
-    missing, start = not os.path.isdir(pairs_dir), time.time()
-    if world_size() > 1:  # under torchrun rank 0 builds them (alone) while the others wait; every rank must agree
-        missing = bool(all_reduce(torch.tensor(int(missing)), "max"))
+    # under torchrun rank 0 builds them (alone) while the others wait: every rank must take the same decision
+    missing, start = not everywhere(os.path.isdir(pairs_dir)), time.time()
     if missing and is_main():
         policy, tokenizer = load_policy()
         with torch.random.fork_rng(devices=[]), alone():  # the same pairs whatever --seed is: they are cached for all
