@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import tyro
 
 import common
+import tasks
+from plumbing import checks
 
 ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo"]
 TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to X%" column
@@ -28,7 +30,7 @@ TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to
 
 @dataclass
 class Args:
-    tasks: list[str] = field(default_factory=lambda: list(common.BUILTIN_TASKS))
+    tasks: list[str] = field(default_factory=lambda: list(tasks.BUILTIN_TASKS))
     """which built-in tasks"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of every algorithm"""
@@ -58,7 +60,8 @@ def run_all(args: Args, task: str) -> dict:
     """Run (or reuse) every algorithm x seed on `task`; return {algorithm: [rows of each seed's metrics.jsonl]}."""
     results = {}
     start = time.time()  # the built-in warm-up, once, outside every run's clock (instant when cached)
-    subprocess.run([sys.executable, "-c", f"import common; common.resolve_model_path('builtin', '', {task!r})"], check=True)
+    warm_up = f"from plumbing import models; models.resolve_model_path('builtin', '', {task!r})"
+    subprocess.run([sys.executable, "-c", warm_up], check=True)
     print(f"{task}: built-in warm-up model ready after {time.time() - start:.0f}s", flush=True)
     for algorithm in args.algorithms:
         results[algorithm] = []
@@ -367,10 +370,10 @@ if __name__ == "__main__":
         )
     if not args.seeds:
         raise SystemExit("--seeds: give at least one seed")
-    if not args.tasks or set(args.tasks) - set(common.BUILTIN_TASKS):
-        raise SystemExit(f"--tasks {' '.join(args.tasks)}: allowed values are {', '.join(common.BUILTIN_TASKS)}")
+    if not args.tasks or set(args.tasks) - set(tasks.BUILTIN_TASKS):
+        raise SystemExit(f"--tasks {' '.join(args.tasks)}: allowed values are {', '.join(tasks.BUILTIN_TASKS)}")
     for flag, path in (("--runs-dir", args.runs_dir), ("--docs-dir", args.docs_dir)):  # before an hour of runs
-        common.check_writable_dir(flag, path)
+        checks.writable_dir(flag, path)
     if args.memory:
         table = memory_table()
         with open(os.path.join(args.docs_dir, "memory.md"), "w") as f:

@@ -13,8 +13,8 @@ Departures from the paper:
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
 4. No KL term (beta = 0), as in the paper; |y| counts the EOS token. Dynamic sampling filters groups on the
-   verifier's score, as eq. 11 does on accuracy; the advantage then sees the shaped reward (score + overlong penalty).
-   With --reward-model it filters on the learned scores, which are never all equal: every group is kept.
+   verifier's reward, as eq. 11 does on accuracy; the advantage then sees the shaped reward (reward + overlong penalty).
+   With --reward-model it filters on the learned rewards, which are never all equal: every group is kept.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 """
@@ -29,9 +29,10 @@ import tyro
 from tqdm import tqdm
 
 import common
+import tasks
+from plumbing import checks, dist, models, run_state
 
-# default --total-steps per task: a scratchpad step (answers of 21-31 tokens) costs about four times an addition step
-STEPS = {"addition": 200, "scratchpad": 100, "gsm8k": 200}
+TOTAL_STEPS = 200  # default --total-steps; halved on the scratchpad task, whose steps cost about four times as much
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Args:
 
     # Algorithm specific arguments
     total_steps: int = 0
-    """rollout-and-update steps (0: this script's number for the task, in STEPS)"""
+    """rollout-and-update steps (0: TOTAL_STEPS at the top of this script, half of it on the scratchpad task)"""
     num_prompts: int = 32
     """prompts per rollout"""
     group_size: int = 8
@@ -110,25 +111,25 @@ class Args:
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
-        self.batch_size = self.num_prompts * self.group_size // common.world_size()  # responses per rollout and process
+        self.batch_size = self.num_prompts * self.group_size // dist.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
 
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    common.check_common_args(args)
-    common.check_flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
+    checks.rl_flags(args)
+    checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     for flag in ("clip_eps_low", "clip_eps_high"):
-        common.check_flag(args, flag, "must be in (0, 1): the clip range is [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
-    common.check_flag(args, "overlong_buffer", "must be 0 (half of --max-new-tokens) or positive", lambda v: v >= 0)
-    common.check_flag(args, "max_sampling_rounds", "must be at least 1", lambda v: v >= 1)
+        checks.flag(args, flag, "must be in (0, 1): the clip range is [1 - eps_low, 1 + eps_high]", lambda v: 0 < v < 1)
+    checks.flag(args, "overlong_buffer", "must be 0 (half of --max-new-tokens) or positive", lambda v: v >= 0)
+    checks.flag(args, "max_sampling_rounds", "must be at least 1", lambda v: v >= 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
             f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
         )
-    common.check_folders(args)
+    checks.output_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -156,11 +157,11 @@ def compute_overlong_penalty(lengths: torch.Tensor, args: Args) -> torch.Tensor:
     return torch.clamp((args.max_new_tokens - args.overlong_buffer - lengths) / args.overlong_buffer, -1.0, 0.0)
 
 
-def filter_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO dynamic sampling (eq. 11): True for each group whose verifier scores are not all equal, i.e. neither all
-    correct nor all wrong. Filtering on the shaped reward instead would keep an all-correct group that differs only in
+def filter_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling (eq. 11): True for each group whose rewards (before shaping) are not all equal, i.e. neither
+    all correct nor all wrong. Filtering on the shaped reward instead would keep an all-correct group that differs only in
     overlong penalties, and standardising would give that penalty the weight of correctness. (N,) -> (N / G,)"""
-    grouped = scores.view(-1, group_size)
+    grouped = rewards.view(-1, group_size)
     return ~grouped.eq(grouped[:, :1]).all(dim=1)
 
 
@@ -189,12 +190,10 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
 
     if not mask.any():  # DAPO: every response here is truncated and masked out (--mask-truncated): no loss, no metrics
         return total, {}
-    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.pool_metrics
         metrics = {
             "loss/policy": reduce(pg_loss),
-            "train/ratio_mean": ratio[mask],
-            "train/ratio_min": ratio[mask],
-            "train/ratio_max": ratio[mask],
+            "train/ratio": ratio[mask],  # logged as its mean, and its min and max (see the log section)
             "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
             "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
             "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
@@ -211,49 +210,49 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    common.seed_everything(args.seed)
-    device = common.get_device(args.device)
-    task = common.make_task(args.task, args.dataset, args.num_eval)
+    device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
+    common.seed_everything(args.seed + dist.rank())  # under torchrun each process samples its own responses
+    task = tasks.make_task(args.task, args.dataset, args.num_eval)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
-    args.total_steps = args.total_steps or STEPS[args.task]
+    args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     args.overlong_buffer = args.overlong_buffer or args.max_new_tokens // 2  # DAPO: L_cache
-    common.check_flag(
+    checks.flag(
         args,
         "overlong_buffer",
         f"must be at most --max-new-tokens ({args.max_new_tokens})",
         lambda v: v <= args.max_new_tokens,
     )
-    common.check_flag(
+    checks.flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:
-        common.enable_gradient_checkpointing(policy)
+        models.enable_gradient_checkpointing(policy)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
-        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+        ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
-    reward_model = common.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    policy, ref_policy = common.distribute(args, policy, ref_policy)  # under torchrun: DDP, or FSDP2 with --fsdp
+    reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
+    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
-    checkpoint = common.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
     responses = logger.last.get("train/responses", 0)  # DAPO: generated responses, kept or not
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: G responses per prompt from the frozen behaviour policy pi_old
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
         # DAPO: dynamic sampling (§3.2), rounds of num_prompts prompts until num_prompts groups with unequal scores
-        rounds, all_scores, all_gold, all_lengths = [], [], [], []
+        rounds, all_rewards, all_gold, all_lengths = [], [], [], []
         for _ in range(args.max_sampling_rounds):
-            batch = task.train[common.shard(rng.sample(range(len(task.train)), args.num_prompts))]
+            batch = task.train[dist.shard(rng.sample(range(len(task.train)), args.num_prompts))]
             prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
             answers = [a for a in batch["answer"] for _ in range(args.group_size)]
             prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
@@ -263,14 +262,14 @@ if __name__ == "__main__":
             texts = common.decode(tokenizer, completion_ids, mask, truncated)
             gold = task.reward(texts, answers).to(device)  # (B,) the verifier
             round_ids, round_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask.long()], 1)
-            scores = gold if reward_model is None else common.sequence_rewards(reward_model, round_ids, round_mask)  # (B,)
-            rewards = scores + compute_overlong_penalty(mask.sum(dim=1), args)  # DAPO: soft overlong punishment
-            keep = filter_groups(scores, args.group_size).repeat_interleave(args.group_size)  # (B,) on accuracy, eq. 11
-            rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards)])
-            all_scores.append(scores)
+            rewards = gold if reward_model is None else common.sequence_rewards(reward_model, round_ids, round_mask)  # (B,)
+            shaped_rewards = rewards + compute_overlong_penalty(mask.sum(dim=1), args)  # DAPO: soft overlong punishment
+            keep = filter_groups(rewards, args.group_size).repeat_interleave(args.group_size)  # (B,) on accuracy, eq. 11
+            rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, shaped_rewards)])
+            all_rewards.append(rewards)
             all_gold.append(gold)
             all_lengths.append(mask.sum(dim=1))
-            if common.everywhere(sum(len(r[0]) for r in rounds) >= args.batch_size):  # under torchrun: on every rank
+            if dist.on_every_rank(sum(len(r[0]) for r in rounds) >= args.batch_size):  # under torchrun: on every rank
                 break
         else:
             num_kept = sum(len(r[0]) for r in rounds) // args.group_size
@@ -278,9 +277,9 @@ if __name__ == "__main__":
                 f"step {step}: dynamic sampling kept only {num_kept} of {args.num_prompts} groups with unequal scores in "
                 f"{args.max_sampling_rounds} rounds (--max-sampling-rounds); the task is too easy or too hard for the policy"
             )
-        columns = dict(zip(["prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "rewards"], zip(*rounds)))
+        columns = dict(zip(["prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated", "shaped"], zip(*rounds)))
         kept = {k: common.cat_padded(list(v), left=k.startswith("prompt"))[: args.batch_size] for k, v in columns.items()}
-        prompt_ids, prompt_mask, completion_ids, mask, truncated, rewards = kept.values()  # whole groups; padding: id 0, False
+        prompt_ids, prompt_mask, completion_ids, mask, truncated, shaped_rewards = kept.values()  # whole groups; pad: 0, False
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         T = completion_ids.shape[1]
@@ -289,11 +288,11 @@ if __name__ == "__main__":
         on_policy = args.num_minibatches == 1 and args.num_epochs == 1
         old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
         if not on_policy:
-            old_logprobs = common.frozen_logprobs(
+            old_logprobs = common.logprobs_no_grad(
                 policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
         if args.beta > 0:
-            ref_logprobs = common.frozen_logprobs(
+            ref_logprobs = common.logprobs_no_grad(
                 ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
 
@@ -306,7 +305,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Advantage: each response compared with its group
         # -------------------------------------------------------------------------------------------------------------
-        advantages = compute_advantages(rewards, args.group_size)  # (B,)
+        advantages = compute_advantages(shaped_rewards, args.group_size)  # (B,) DAPO: of the shaped rewards
         rollout_time = time.time() - step_start
 
         # -------------------------------------------------------------------------------------------------------------
@@ -316,7 +315,7 @@ if __name__ == "__main__":
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
-                num_tokens = common.count_share(loss_mask[mb_idx].sum())  # DAPO: token mean, minibatch, all ranks
+                num_tokens = dist.global_count_per_rank(loss_mask[mb_idx].sum())  # DAPO: token mean, minibatch, all ranks
                 for idx in mb_idx.split(args.micro_batch_size):
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature
@@ -330,6 +329,7 @@ if __name__ == "__main__":
                     loss.backward()
                     metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
+                dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
                 optimizer.step()
@@ -338,17 +338,17 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
-        gold = torch.cat(all_gold)  # DAPO: every sampled response, kept or not
+        gold, rewards = torch.cat(all_gold), torch.cat(all_rewards)  # DAPO: every sampled response, kept or not
         grouped = gold.view(-1, args.group_size)  # outcomes
-        responses += grouped.numel() * common.world_size()
-        row = common.aggregate(train_metrics)
+        responses += grouped.numel() * dist.world_size()
+        row = common.pool_metrics(train_metrics, min_max=("train/ratio",))  # means over tokens or responses
         row.update(
             {
-                "rollout/reward_mean": torch.cat(all_scores).mean(),
+                "rollout/reward_mean": rewards.mean(),
                 "rollout/gold_accuracy": gold.mean(),
-                "rollout/prompts_sampled": len(all_scores) * args.num_prompts,
+                "rollout/prompts_sampled": len(all_rewards) * args.num_prompts,
                 "rollout/groups_kept_frac": sum(len(r[0]) for r in rounds) / grouped.numel(),
-                "rollout/sampling_rounds": len(all_scores),
+                "rollout/sampling_rounds": len(all_rewards),
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
@@ -363,13 +363,13 @@ if __name__ == "__main__":
             eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
             row.update(eval_metrics)
         logger.log(step, row)
-        bar.set_postfix(reward=f"{grouped.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
         checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
+    dist.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -29,6 +29,9 @@ import tyro
 from tqdm import tqdm
 
 import common
+import preference_pairs
+import tasks
+from plumbing import checks, dist, models, run_state
 
 
 @dataclass
@@ -92,21 +95,20 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    common.check_shared_args(args)
-    common.check_distributed_args(args)
-    common.check_divisible(args, "batch_size")  # under torchrun each process takes its share of every batch
+    checks.model_task_and_device(args)
+    checks.distributed_flags(args, "batch_size")  # under torchrun each process takes its share of every batch
     for flag in ("beta", "learning_rate", "max_grad_norm"):
-        common.check_flag(args, flag, "must be positive", lambda v: v > 0)
-    common.check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
+        checks.flag(args, flag, "must be positive", lambda v: v > 0)
+    checks.flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
     for flag in ("total_steps", "batch_size", "num_pair_prompts", "eval_every"):
-        common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
-    common.check_flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
-    common.check_flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
+        checks.flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    checks.flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
+    checks.flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
     if args.batch_size % args.micro_batch_size:
         raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
-    common.check_data_flags(args)
-    common.check_resume_flags(args)
-    common.check_folders(args)
+    checks.data_flags(args)
+    checks.resume_flags(args)
+    checks.output_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -123,7 +125,7 @@ def compute_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     rejected_rewards = args.beta * (rejected_logps - ref_rejected_logps)
     margins = chosen_rewards - rejected_rewards  # beta * Delta
     losses = -F.logsigmoid(margins)  # (N,)
-    with torch.no_grad():  # one sample per pair, pooled over micro-batches by common.aggregate
+    with torch.no_grad():  # one sample per pair, pooled over micro-batches by common.pool_metrics
         metrics = {
             "loss/dpo": losses,
             "rewards/chosen": chosen_rewards,
@@ -159,34 +161,34 @@ def pair_logps(model, data, idx):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    common.seed_everything(args.seed)
-    device = common.get_device(args.device)
-    task = common.make_task(args.task)
+    device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
+    common.seed_everything(args.seed + dist.rank())
+    task = tasks.make_task(args.task)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     # a user's data set is read before any model is loaded
-    user_pairs = common.load_preference_dataset(args.dataset) if args.dataset else None
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None
+    policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:
-        common.enable_gradient_checkpointing(policy)
+        models.enable_gradient_checkpointing(policy)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
     if args.dataset:
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
     else:  # built once by the warm-up policy and cached, shared with reward_model.py; pairs_time is 0 from the cache
-        pairs, skipped, pairs_time = common.verifier_pairs(args, task, lambda: (policy, tokenizer), device)
+        pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, lambda: (policy, tokenizer), device)
     if len(pairs) < args.batch_size:
         raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
     generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
     print(f"{len(pairs)} preference pairs ({skipped} prompts had no correct-and-wrong pair)")
-    data = common.tokenize_pairs(tokenizer, pairs[:], device)
+    data = preference_pairs.tokenize_pairs(tokenizer, pairs[:], device)
     with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
         chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
         ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
-    (policy,) = common.distribute(args, policy)  # under torchrun: DDP, or FSDP2 with --fsdp
+    (policy,) = dist.prepare_models(args, policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    checkpoint = common.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
-    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     pairs_metrics = {
         "data/pairs": len(pairs),
@@ -197,11 +199,11 @@ if __name__ == "__main__":
     logger.log(0, {**eval_metrics, **pairs_metrics})
     order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(pairs), generator=generator)
-        mb_idx, order = common.shard(order[: args.batch_size]).to(device), order[args.batch_size :]  # torchrun: a share
+        mb_idx, order = dist.shard(order[: args.batch_size]).to(device), order[args.batch_size :]  # torchrun: a share
 
         # -------------------------------------------------------------------------------------------------------------
         # Update: one optimizer step per batch of pairs
@@ -215,6 +217,7 @@ if __name__ == "__main__":
             common.check_finite(loss, "loss", step)
             loss.backward()
             train_metrics.append(metrics)
+        dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         common.check_finite(grad_norm, "gradient norm", step)
         optimizer.step()
@@ -222,7 +225,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
-        row = common.aggregate(train_metrics)
+        row = common.pool_metrics(train_metrics)
         row.update({"train/grad_norm": grad_norm, "time/step": time.time() - step_start, "train/responses": generated})
         if step % args.eval_every == 0 or step == args.total_steps:
             eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
@@ -234,7 +237,7 @@ if __name__ == "__main__":
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
+    dist.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -27,9 +27,10 @@ import tyro
 from tqdm import tqdm
 
 import common
+import tasks
+from plumbing import checks, dist, models, run_state
 
-# default --total-steps per task: a scratchpad step (answers of 21-31 tokens) costs about four times an addition step
-STEPS = {"addition": 200, "scratchpad": 100, "gsm8k": 200}
+TOTAL_STEPS = 200  # default --total-steps; halved on the scratchpad task, whose steps cost about four times as much
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Args:
 
     # Algorithm specific arguments
     total_steps: int = 0
-    """rollout-and-update steps (0: this script's number for the task, in STEPS)"""
+    """rollout-and-update steps (0: TOTAL_STEPS at the top of this script, half of it on the scratchpad task)"""
     num_prompts: int = 32
     """prompts per rollout"""
     group_size: int = 8
@@ -99,22 +100,22 @@ class Args:
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
-        self.batch_size = self.num_prompts * self.group_size // common.world_size()  # responses per rollout and process
+        self.batch_size = self.num_prompts * self.group_size // dist.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
 
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    common.check_common_args(args)
-    common.check_flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
-    common.check_flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
+    checks.rl_flags(args)
+    checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
+    checks.flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
             f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
         )
-    common.check_folders(args)
+    checks.output_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -157,12 +158,10 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     reduce = lambda x: torch.where(mask, x, 0.0).sum(dim=1) / args.max_new_tokens  # (N,) Dr. GRPO: constant normaliser
     total = reduce(loss).sum() / (num_responses or len(loss))  # the mean over responses (or this batch's share of it)
 
-    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.pool_metrics
         metrics = {
             "loss/policy": reduce(pg_loss),
-            "train/ratio_mean": ratio[mask],
-            "train/ratio_min": ratio[mask],
-            "train/ratio_max": ratio[mask],
+            "train/ratio": ratio[mask],  # logged as its mean, and its min and max (see the log section)
             "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
             "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
             "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
@@ -179,38 +178,38 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    common.seed_everything(args.seed)
-    device = common.get_device(args.device)
-    task = common.make_task(args.task, args.dataset, args.num_eval)
+    device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
+    common.seed_everything(args.seed + dist.rank())  # under torchrun each process samples its own responses
+    task = tasks.make_task(args.task, args.dataset, args.num_eval)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
-    args.total_steps = args.total_steps or STEPS[args.task]
-    common.check_flag(
+    args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
+    checks.flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:
-        common.enable_gradient_checkpointing(policy)
+        models.enable_gradient_checkpointing(policy)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
-        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+        ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
-    reward_model = common.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    policy, ref_policy = common.distribute(args, policy, ref_policy)  # under torchrun: DDP, or FSDP2 with --fsdp
+    reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
+    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
-    checkpoint = common.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: G responses per prompt from the frozen behaviour policy pi_old
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
-        batch = task.train[common.shard(rng.sample(range(len(task.train)), args.num_prompts))]
+        batch = task.train[dist.shard(rng.sample(range(len(task.train)), args.num_prompts))]
         prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
         answers = [a for a in batch["answer"] for _ in range(args.group_size)]
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
@@ -225,11 +224,11 @@ if __name__ == "__main__":
         on_policy = args.num_minibatches == 1 and args.num_epochs == 1
         old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
         if not on_policy:
-            old_logprobs = common.frozen_logprobs(
+            old_logprobs = common.logprobs_no_grad(
                 policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
         if args.beta > 0:
-            ref_logprobs = common.frozen_logprobs(
+            ref_logprobs = common.logprobs_no_grad(
                 ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
 
@@ -266,6 +265,7 @@ if __name__ == "__main__":
                     loss.backward()
                     metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
+                dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
                 optimizer.step()
@@ -275,7 +275,7 @@ if __name__ == "__main__":
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
         grouped = gold.view(-1, args.group_size)  # outcomes
-        row = common.aggregate(train_metrics)
+        row = common.pool_metrics(train_metrics, min_max=("train/ratio",))  # means over tokens or responses
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),
@@ -300,7 +300,7 @@ if __name__ == "__main__":
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
+    dist.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -27,9 +27,11 @@ import tyro
 from tqdm import tqdm
 
 import common
+import tasks
+from plumbing import checks, dist, models, run_state
 
 # default --total-steps per task: a scratchpad step (answers of 21-31 tokens) costs about four times an addition step
-STEPS = {"addition": 60, "scratchpad": 30, "gsm8k": 60}  # PPO: fewer, costlier steps
+TOTAL_STEPS = 60  # PPO: fewer, costlier steps
 
 
 @dataclass
@@ -73,7 +75,7 @@ class Args:
 
     # Algorithm specific arguments
     total_steps: int = 0
-    """rollout-and-update steps (0: this script's number for the task, in STEPS)"""
+    """rollout-and-update steps (0: TOTAL_STEPS at the top of this script, half of it on the scratchpad task)"""
     num_prompts: int = 256
     """prompts per rollout"""
     group_size: int = 1
@@ -113,27 +115,27 @@ class Args:
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"
-        self.batch_size = self.num_prompts * self.group_size // common.world_size()  # responses per rollout and process
+        self.batch_size = self.num_prompts * self.group_size // dist.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
 
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    common.check_common_args(args)
-    common.check_flag(args, "group_size", "must be at least 1", lambda v: v >= 1)
-    common.check_flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
+    checks.rl_flags(args)
+    checks.flag(args, "group_size", "must be at least 1", lambda v: v >= 1)
+    checks.flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
             f"minibatches, and each minibatch ({args.minibatch_size}) into --micro-batch-size ({args.micro_batch_size})"
         )
     for flag in ("gamma", "lam"):  # PPO: discount and GAE lambda
-        common.check_flag(args, flag, "must be in [0, 1]", lambda v: 0 <= v <= 1)
-    common.check_flag(args, "critic_learning_rate", "must be positive", lambda v: v > 0)  # PPO: the critic
+        checks.flag(args, flag, "must be in [0, 1]", lambda v: 0 <= v <= 1)
+    checks.flag(args, "critic_learning_rate", "must be positive", lambda v: v > 0)  # PPO: the critic
     for flag in ("value_clip_eps", "entropy_coef", "target_kl"):  # PPO: 0 turns each off
-        common.check_flag(args, flag, "must be 0 (off) or positive", lambda v: v >= 0)
-    common.check_folders(args)
+        checks.flag(args, flag, "must be 0 (off) or positive", lambda v: v >= 0)
+    checks.output_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -181,12 +183,10 @@ def compute_policy_loss(logprobs, old_logprobs, advantages, mask, args, num_toke
     pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
     total = torch.where(mask, pg_loss, 0.0).sum() / (num_tokens or mask.sum().clamp(min=1))  # PPO: token mean
 
-    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.aggregate
+    with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.pool_metrics
         metrics = {
             "loss/policy": pg_loss[mask],  # PPO: one sample per token
-            "train/ratio_mean": ratio[mask],
-            "train/ratio_min": ratio[mask],
-            "train/ratio_max": ratio[mask],
+            "train/ratio": ratio[mask],  # logged as its mean, and its min and max (see the log section)
             "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
             "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
             "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
@@ -214,11 +214,8 @@ class Critic(torch.nn.Module):
     so that the first values are 0). The value of the prefix (x, y_<t) is read where the policy reads y_t's logits."""
 
     def __init__(self, args):
-        from transformers import AutoModel
-
         super().__init__()
-        path = common.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)  # the warm-up model
-        self.body = common.load_local_first(lambda **kw: AutoModel.from_pretrained(path, dtype=torch.float32, **kw), path)
+        self.body = models.load_body(args.model_name_or_path, args.cache_dir, args.task)  # the warm-up model's body
         self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
 
@@ -236,40 +233,40 @@ class Critic(torch.nn.Module):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    common.seed_everything(args.seed)
-    device = common.get_device(args.device)
-    task = common.make_task(args.task, args.dataset, args.num_eval)
+    device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
+    common.seed_everything(args.seed + dist.rank())  # under torchrun each process samples its own responses
+    task = tasks.make_task(args.task, args.dataset, args.num_eval)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
-    args.total_steps = args.total_steps or STEPS[args.task]
-    common.check_flag(
+    args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
+    checks.flag(
         args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
     )
-    policy, tokenizer = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:
-        common.enable_gradient_checkpointing(policy)
+        models.enable_gradient_checkpointing(policy)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
     if args.beta > 0:
-        ref_policy, _ = common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+        ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
-    reward_model = common.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    policy, ref_policy = common.distribute(args, policy, ref_policy)  # under torchrun: DDP, or FSDP2 with --fsdp
-    critic = common.distribute(args, Critic(args).to(device))[0]  # PPO: under torchrun, wrapped like the policy
+    reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
+    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
+    critic = dist.prepare_models(args, Critic(args).to(device))[0]  # PPO: under torchrun, prepared like the policy
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
     rng = random.Random(args.seed)
-    checkpoint = common.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    logger = common.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not common.is_main())):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: responses from the frozen behaviour policy pi_old, with their old log-probs and old values
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
-        batch = task.train[common.shard(rng.sample(range(len(task.train)), args.num_prompts))]
+        batch = task.train[dist.shard(rng.sample(range(len(task.train)), args.num_prompts))]
         prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
         answers = [a for a in batch["answer"] for _ in range(args.group_size)]
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
@@ -284,11 +281,11 @@ if __name__ == "__main__":
         on_policy = args.num_minibatches == 1 and args.num_epochs == 1
         old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
         if not on_policy or args.beta > 0:  # PPO: the KL reward needs pi_old's log-probs before any update
-            old_logprobs = common.frozen_logprobs(
+            old_logprobs = common.logprobs_no_grad(
                 policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
         if args.beta > 0:
-            ref_logprobs = common.frozen_logprobs(
+            ref_logprobs = common.logprobs_no_grad(
                 ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
         with torch.no_grad():  # PPO: the old values
@@ -307,7 +304,7 @@ if __name__ == "__main__":
         # Advantage: GAE from the rewards and the old values; returns before whitening
         # -------------------------------------------------------------------------------------------------------------
         advantages, returns = compute_gae(token_rewards, old_values, mask, args)  # (B, T) each, PPO: GAE per token
-        raw_advantages = common.gather(advantages[mask])  # PPO: the valid tokens of every rank
+        raw_advantages = dist.concat_over_ranks(advantages[mask])  # PPO: the valid tokens of every rank
         if args.whiten_advantages:  # PPO: over the valid tokens of the whole batch
             advantages = torch.where(mask, (advantages - raw_advantages.mean()) / (raw_advantages.std() + 1e-8), 0.0)
         rollout_time = time.time() - step_start
@@ -319,7 +316,7 @@ if __name__ == "__main__":
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
-                num_tokens = common.count_share(mask[mb_idx].sum())  # PPO: token mean over the minibatch, all ranks
+                num_tokens = dist.global_count_per_rank(mask[mb_idx].sum())  # PPO: token mean over the minibatch, all ranks
                 for idx in mb_idx.split(args.micro_batch_size):
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature, args.entropy_coef > 0
@@ -339,6 +336,7 @@ if __name__ == "__main__":
                     metrics.update(value_metrics)
                     metrics["train/entropy"] = entropy[mask[idx]]
                     train_metrics.append(metrics)
+                dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)  # PPO
@@ -346,7 +344,7 @@ if __name__ == "__main__":
                 optimizer.step()
                 train_metrics.append({"train/grad_norm": grad_norm, "train/critic_grad_norm": critic_grad_norm})
                 # PPO: early stop once the minibatch's token-weighted KL to the behaviour policy (before this step) is large
-                mb_kl = common.aggregate(train_metrics[-1 - len(mb_idx.split(args.micro_batch_size)) : -1])["kl/old_approx"]
+                mb_kl = common.pool_metrics(train_metrics[-1 - len(mb_idx.split(args.micro_batch_size)) : -1])["kl/old_approx"]
                 if args.target_kl and mb_kl > args.target_kl:
                     stop = True
                     break
@@ -356,7 +354,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
-        row = common.aggregate(train_metrics)
+        row = common.pool_metrics(train_metrics, min_max=("train/ratio",))  # means over tokens or responses
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),
@@ -366,7 +364,8 @@ if __name__ == "__main__":
                 "rollout/truncated_frac": truncated.float().mean(),
                 "train/advantage_mean": raw_advantages.mean(),
                 "train/advantage_std": raw_advantages.std(),
-                "train/explained_variance": 1 - raw_advantages.var() / common.gather(returns[mask]).var().clamp(min=1e-8),
+                "train/explained_variance": 1
+                - raw_advantages.var() / dist.concat_over_ranks(returns[mask]).var().clamp(min=1e-8),
                 "train/early_stopped": float(stop),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,
@@ -386,7 +385,7 @@ if __name__ == "__main__":
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    common.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
+    dist.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
     print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")

@@ -21,7 +21,7 @@ score for the same prompt. We pin it softly with a centring term, center_coef * 
 responses to the same prompt and never see c(x); PPO does (its critic must learn it, and the reward's scale sets the
 weight of the KL penalty), so a centred reward is the one to give it.
 
-Built-in data: the verifier-labelled pairs of dpo.py (common.verifier_pairs: the warm-up policy's most frequent correct
+Built-in data: the verifier-labelled pairs of dpo.py (preference_pairs.py: the warm-up policy's most frequent correct
 answer against its most frequent wrong one, per training problem), built once and cached for both scripts.
 `--dataset` takes any local or hub dataset with prompt / chosen / rejected columns instead. A held-out part of the
 pairs is split off by problem: on the built-in tasks a problem and its commuted twin ("07+45=", "45+07=") stay on one
@@ -44,6 +44,9 @@ import tyro
 from tqdm import tqdm
 
 import common
+import preference_pairs
+import tasks
+from plumbing import checks, dist, models, run_state
 
 
 @dataclass
@@ -67,6 +70,10 @@ class Args:
     """where metrics.jsonl and the reward model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate held-out pairwise accuracy every this many steps (and before the first and after the last)"""
+    save_every: int = 50
+    """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
+    resume: bool = False
+    """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
 
@@ -102,21 +109,21 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    common.check_shared_args(args)
-    if common.world_size() > 1:
-        raise SystemExit("reward_model.py runs as one process (it takes a few minutes); torchrun is for the training scripts")
-    common.check_data_flags(args)
+    checks.model_task_and_device(args)
+    checks.distributed_flags(args, "batch_size")  # under torchrun each process takes its share of every batch
+    checks.data_flags(args)
     for flag in ("learning_rate", "max_grad_norm"):
-        common.check_flag(args, flag, "must be positive", lambda v: v > 0)
-    common.check_flag(args, "center_coef", "must be 0 (off) or positive", lambda v: v >= 0)
-    common.check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
+        checks.flag(args, flag, "must be positive", lambda v: v > 0)
+    checks.flag(args, "center_coef", "must be 0 (off) or positive", lambda v: v >= 0)
+    checks.flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
     for flag in ("total_steps", "batch_size", "num_eval_pairs", "num_pair_prompts", "eval_every"):
-        common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
-    common.check_flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
-    common.check_flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
+        checks.flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    checks.flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
+    checks.flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
     if args.batch_size % args.micro_batch_size:
         raise SystemExit(f"--batch-size {args.batch_size} must split into --micro-batch-size {args.micro_batch_size}")
-    common.check_folders(args)
+    checks.resume_flags(args)
+    checks.output_folders(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,7 +142,7 @@ def compute_loss(chosen_rewards, rejected_rewards, args):
     losses = -F.logsigmoid(margins)  # (N,) -log P(y_w preferred to y_l)
     centring = (chosen_rewards + rejected_rewards) ** 2  # (N,) zero when the pair's scores are symmetric about 0
     loss = losses.mean() + args.center_coef * centring.mean()
-    with torch.no_grad():  # one sample per pair, pooled over micro-batches by common.aggregate
+    with torch.no_grad():  # one sample per pair, pooled over micro-batches by common.pool_metrics
         metrics = {
             "loss/rm": losses,
             "loss/centring": args.center_coef * centring,
@@ -154,12 +161,12 @@ def split_pairs(pairs, num_eval_pairs: int, by_operands: bool):
     """(train, held_out) pairs, with every problem on one side only: keyed by the unordered pair of operands on the
     built-in tasks (a problem and its commuted twin have one answer), by the prompt otherwise. The split is fixed
     (seed 0), the same for every --seed."""
-    key = common.addition_operands if by_operands else (lambda row: row["prompt"])
-    return common.split_by_key(pairs, num_eval_pairs, key, seed=0)
+    key = tasks.addition_operands if by_operands else (lambda row: row["prompt"])
+    return tasks.split_by_key(pairs, num_eval_pairs, key, seed=0)
 
 
 def pair_rewards(model, data, idx):
-    """R(x, y_w) and R(x, y_l), (b,) each, of the pairs `idx` of common.tokenize_pairs' dict."""
+    """R(x, y_w) and R(x, y_l), (b,) each, of the pairs `idx` of preference_pairs.tokenize_pairs' dict."""
     prompt_ids, prompt_mask = data["prompt_ids"][idx], data["prompt_mask"][idx]
     rewards = []
     for key in ("chosen", "rejected"):
@@ -191,28 +198,27 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     check_args(args)
-    common.seed_everything(args.seed)
-    device = common.get_device(args.device)
-    task = common.make_task(args.task)
+    device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
+    common.seed_everything(args.seed + dist.rank())
+    task = tasks.make_task(args.task)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     # a user's data set is read before any model is loaded
-    user_pairs = common.load_preference_dataset(args.dataset) if args.dataset else None
+    user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None
     # the warm-up policy's body with a new one-output head; models stay in eval mode throughout (no dropout)
-    model, tokenizer = common.load_model_and_tokenizer(
+    model, tokenizer = models.load_model_and_tokenizer(
         args.model_name_or_path, args.cache_dir, device, args.task, AutoModelForSequenceClassification, num_labels=1
     )
     model.config.pad_token_id = tokenizer.pad_token_id  # so that the saved model also works with the library's pooling
     if args.gradient_checkpointing:
-        common.enable_gradient_checkpointing(model)
-    task = common.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the policy will read them
-    logger = common.MetricsLogger(args.output_dir)
+        models.enable_gradient_checkpointing(model)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the policy will read them
     if args.dataset:
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
-        load_policy = lambda: common.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)  # noqa: E731
-        pairs, skipped, pairs_time = common.verifier_pairs(args, task, load_policy, device)
+        load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)  # noqa: E731
+        pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, load_policy, device)
     # the built-in tasks' plain prompts are split by operands (a problem and its twin together), anything else by prompt
-    by_operands = not args.dataset and args.task in common.BUILTIN_TASKS and not task.chat
+    by_operands = not args.dataset and args.task in tasks.BUILTIN_TASKS and not task.chat
     train_pairs, eval_pairs = split_pairs(pairs, args.num_eval_pairs, by_operands)
     if len(train_pairs) < args.batch_size or len(eval_pairs) == 0:
         raise SystemExit(
@@ -220,21 +226,23 @@ if __name__ == "__main__":
             f"{len(train_pairs)} to train on, fewer than --batch-size {args.batch_size} (or none held out)"
         )
     print(f"{len(pairs)} preference pairs: {len(train_pairs)} to train on, {len(eval_pairs)} held out")
-    train_data = common.tokenize_pairs(tokenizer, train_pairs[:], device)
-    eval_data = common.tokenize_pairs(tokenizer, eval_pairs[:], device)
+    train_data = preference_pairs.tokenize_pairs(tokenizer, train_pairs[:], device)
+    eval_data = preference_pairs.tokenize_pairs(tokenizer, eval_pairs[:], device)
+    (model,) = dist.prepare_models(args, model)  # under torchrun: rank 0's weights (its new head) on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    eval_metrics = evaluate_pairs(model, eval_data, args.micro_batch_size)
-    logger.start = time.time()  # time/elapsed counts training only; building the pairs is time/pairs
+    checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # time/elapsed: training, not the pairs
+    eval_metrics = logger.last_eval or evaluate_pairs(model, eval_data, args.micro_batch_size)
     data_metrics = {"data/pairs": len(train_pairs), "data/eval_pairs": len(eval_pairs), "time/pairs": pairs_time}
     logger.log(0, {**eval_metrics, **data_metrics})
-    order = torch.empty(0, dtype=torch.long)
+    order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
 
-    for step in (bar := tqdm(range(1, args.total_steps + 1), desc=args.exp_name)):
+    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(train_pairs), generator=generator)
-        mb_idx, order = order[: args.batch_size].to(device), order[args.batch_size :]
+        mb_idx, order = dist.shard(order[: args.batch_size]).to(device), order[args.batch_size :]  # torchrun: a share
 
         # -------------------------------------------------------------------------------------------------------------
         # Update: one optimizer step per batch of pairs
@@ -248,6 +256,7 @@ if __name__ == "__main__":
             common.check_finite(loss, "loss", step)
             loss.backward()
             train_metrics.append(metrics)
+        dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         common.check_finite(grad_norm, "gradient norm", step)
         optimizer.step()
@@ -255,20 +264,21 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
-        row = common.aggregate(train_metrics)
+        row = common.pool_metrics(train_metrics)
         row.update({"train/grad_norm": grad_norm, "time/step": time.time() - step_start})
         if step % args.eval_every == 0 or step == args.total_steps:
             eval_metrics = evaluate_pairs(model, eval_data, args.micro_batch_size)
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(loss=f"{row['loss/rm'].item():.3f}", eval_accuracy=f"{eval_metrics['eval/pairwise_accuracy']:.2f}")
+        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save
     # -----------------------------------------------------------------------------------------------------------------
-    model.save_pretrained(os.path.join(args.output_dir, "model"))
-    tokenizer.save_pretrained(os.path.join(args.output_dir, "model"))
+    dist.save_model(model, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0
     logger.close()
+    checkpoint.close()
     print(
         f"eval/pairwise_accuracy {eval_metrics['eval/pairwise_accuracy']:.3f} after {args.total_steps} steps; "
         f"saved to {args.output_dir}/model (use it with --reward-model)"

@@ -23,6 +23,8 @@ import tyro
 from tqdm import tqdm
 
 import common
+import tasks
+from plumbing import checks, dist
 
 
 @dataclass
@@ -59,6 +61,46 @@ class Args:
     """max_position_embeddings of the tiny model's config: prompt and response must fit"""
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The built-in tiny model: a Llama-architecture causal LM with a character-level tokenizer, saved as an ordinary
+# Hugging Face model so that it loads through AutoModelForCausalLM / AutoTokenizer exactly like a hub model.
+# ---------------------------------------------------------------------------------------------------------------------
+
+CHARS = "0123456789+-*= "
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def build_tiny_model(tokenizer, max_positions: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
 def task_args(task: str) -> Args:
     """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 21-31
     tokens long, so one step of the warm-up moves its accuracy less; it stops at about a third right, leaving room for
@@ -70,20 +112,18 @@ def task_args(task: str) -> Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
-    common.get_device(args.device)
-    common.check_divisible(args, "batch_size")
-    common.check_flag(
-        args, "task", f"allowed values are {', '.join(common.BUILTIN_TASKS)}", lambda v: v in common.BUILTIN_TASKS
-    )
+    checks.device(args)
+    checks.distributed_flags(args, "batch_size")
+    checks.flag(args, "task", f"allowed values are {', '.join(tasks.BUILTIN_TASKS)}", lambda v: v in tasks.BUILTIN_TASKS)
     for flag in ("max_steps", "check_every", "num_check", "batch_size", "max_positions"):
-        common.check_flag(args, flag, "must be at least 1", lambda v: v >= 1)
-    common.check_flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
-    common.check_flag(args, "num_check", "must leave problems to train on (at most 5000)", lambda v: v <= 5000)
-    common.check_flag(args, "learning_rate", "must be positive", lambda v: v > 0)
-    common.check_flag(args, "target_accuracy", "must be in (0, 1]", lambda v: 0 < v <= 1)
-    common.check_flag(args, "tolerance", "must be 0 or positive", lambda v: v >= 0)
-    common.check_flag(args, "approach_accuracy", "must be in [0, 1]", lambda v: 0 <= v <= 1)
-    common.check_writable_dir("--output-dir", args.output_dir)
+        checks.flag(args, flag, "must be at least 1", lambda v: v >= 1)
+    checks.flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
+    checks.flag(args, "num_check", "must leave problems to train on (at most 5000)", lambda v: v <= 5000)
+    checks.flag(args, "learning_rate", "must be positive", lambda v: v > 0)
+    checks.flag(args, "target_accuracy", "must be in (0, 1]", lambda v: 0 < v <= 1)
+    checks.flag(args, "tolerance", "must be 0 or positive", lambda v: v >= 0)
+    checks.flag(args, "approach_accuracy", "must be in [0, 1]", lambda v: 0 <= v <= 1)
+    checks.writable_dir("--output-dir", args.output_dir)
 
 
 def encode(tokenizer, batch: dict, device: torch.device):
@@ -115,37 +155,39 @@ def greedy_accuracy(model, tokenizer, dataset, batch_size: int = 1000) -> float:
 
 
 def warm_up(args: Args) -> dict:
+    device = dist.init_device(args.device)
     common.seed_everything(args.seed)
-    device = common.get_device(args.device)
-    task = common.make_task(args.task)
-    tokenizer = common.build_tokenizer()
-    model = common.distribute(args, common.build_tiny_model(tokenizer, args.max_positions).to(device))[0]  # torchrun: DDP
+    task = tasks.make_task(args.task)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, args.max_positions).to(device)
+    dist.prepare_models(args, model)  # under torchrun: rank 0's initial weights on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
-    train_set, check_set = common.split_by_key(task.train, args.num_check, common.addition_operands, seed=args.seed)
-    common.check_flag(args, "batch_size", f"at most the {len(train_set)} training problems", lambda v: v <= len(train_set))
+    train_set, check_set = tasks.split_by_key(task.train, args.num_check, tasks.addition_operands, seed=args.seed)
+    checks.flag(args, "batch_size", f"at most the {len(train_set)} training problems", lambda v: v <= len(train_set))
     start, accuracy, approaching = time.time(), 0.0, False
     closest = (float("inf"), None, 0, 0.0)  # (distance to the target, weights, step, accuracy) of the closest check
-    for step in (bar := tqdm(range(1, args.max_steps + 1), desc="sft warm-up", disable=not common.is_main())):
-        batch = train_set[common.shard(rng.sample(range(len(train_set)), args.batch_size))]  # torchrun: this rank's share
+    for step in (bar := tqdm(range(1, args.max_steps + 1), desc="sft warm-up", disable=not dist.is_main())):
+        batch = train_set[dist.shard(rng.sample(range(len(train_set)), args.batch_size))]  # torchrun: this rank's share
         input_ids, attention_mask, position_ids, is_answer = encode(tokenizer, batch, device)
         with common.autocast(device):
             kw = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
-            logits = common.run(model, lambda m: m(input_ids, **kw).logits)  # noqa: B023 (called at once)
+            logits = model(input_ids, **kw).logits
         # the loss on the answer's tokens and EOS only; position t predicts token t + 1. Under torchrun, the mean over
         # every rank's answer tokens (the factor is exactly 1 in one process)
         num_tokens = is_answer[:, 1:].sum()
         loss = F.cross_entropy(logits[:, :-1][is_answer[:, 1:]].float(), input_ids[:, 1:][is_answer[:, 1:]])
-        loss = loss * (num_tokens / common.rank_mean(num_tokens))
+        loss = loss * (num_tokens / dist.mean_over_ranks(num_tokens))
         common.check_finite(loss, "warm-up loss", step)
         optimizer.zero_grad()
         loss.backward()
+        dist.average_gradients(optimizer)  # under torchrun: the mean of every rank's gradient
         for group in optimizer.param_groups:  # linear warm-up over 50 steps, then constant
             group["lr"] = args.learning_rate * min(1.0, step / 50)
         optimizer.step()
         if approaching or step % args.check_every == 0 or step == args.max_steps:  # a last check: some state is kept
             accuracy = greedy_accuracy(model, tokenizer, check_set)  # under torchrun: every rank agrees on it
-            accuracy = common.rank_mean(torch.tensor(accuracy, dtype=torch.float64)).item()
+            accuracy = dist.mean_over_ranks(torch.tensor(accuracy, dtype=torch.float64)).item()
             if abs(accuracy - args.target_accuracy) < closest[0]:
                 closest = (abs(accuracy - args.target_accuracy), copy.deepcopy(model.state_dict()), step, accuracy)
             if abs(accuracy - args.target_accuracy) <= args.tolerance:
@@ -162,7 +204,7 @@ def warm_up(args: Args) -> dict:
         f"warm-up: {step} steps, {metrics['time/warm_up']:.0f}s, greedy accuracy {accuracy:.1%} on the check set, "
         f"{metrics['eval/accuracy']:.1%} held out"
     )
-    common.save_model(model, tokenizer, args.output_dir)  # under torchrun: rank 0
+    dist.save_model(model, tokenizer, args.output_dir)  # under torchrun: rank 0
     return metrics
 
 

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 tests/distributed_jobs.py JOBS.json
 
 JOBS.json is a list of {"script": ..., "argv": [...], "rollouts": FOLDER or ""}. Each script runs as `python SCRIPT ARGV`
-would, with TINY_RLHF_ROLLOUTS=FOLDER (record the sampled rollouts, or replay them when recorded), the verifier of
+would, with its sampled rollouts recorded to FOLDER (or replayed, when recorded there; see rollouts.py), the verifier of
 `text_reward`, and a copy of checkpoint.pt kept after every save (checkpoint.pt.STEP). test_distributed.py does the
 same in one process and compares."""
 
@@ -18,7 +18,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from rollouts import record_or_replay  # noqa: E402
+
 import common  # noqa: E402
+import tasks  # noqa: E402
+from plumbing import dist, run_state  # noqa: E402
 
 
 def text_reward(self, completions, answers):
@@ -27,21 +31,22 @@ def text_reward(self, completions, answers):
     return torch.tensor([sum(map(ord, c)) % 7 / 6 for c in completions])
 
 
-def keep_every_checkpoint(save=common.Checkpoint.save):
+def keep_every_checkpoint(save=run_state.Checkpoint.save):
     """Checkpoint.save that also keeps a copy of each step's checkpoint (rank 0 writes it)."""
 
     def save_and_copy(self, step):
         save(self, step)
-        if common.is_main():
+        if dist.is_main():
             shutil.copy(self.path, f"{self.path}.{step}")
 
     return save_and_copy
 
 
+generate = common.generate  # the real one, for the jobs that record nothing
+
+
 def run_job(job: dict) -> None:
-    os.environ["TINY_RLHF_ROLLOUTS"] = job["rollouts"]
-    if not job["rollouts"]:
-        del os.environ["TINY_RLHF_ROLLOUTS"]
+    common.generate = record_or_replay(job["rollouts"]) if job["rollouts"] else generate
     sys.argv = [job["script"], *job["argv"]]
     try:
         runpy.run_path(os.path.join(ROOT, job["script"]), run_name="__main__")
@@ -52,8 +57,8 @@ def run_job(job: dict) -> None:
 
 if __name__ == "__main__":
     os.environ["TQDM_DISABLE"] = "1"
-    common.Task.reward = text_reward
-    common.Checkpoint.save = keep_every_checkpoint()
+    tasks.Task.reward = text_reward
+    run_state.Checkpoint.save = keep_every_checkpoint()
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
     for job in jobs:

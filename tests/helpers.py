@@ -4,6 +4,7 @@ model."""
 import torch
 
 import common
+import sft
 
 
 def clip_table():
@@ -36,8 +37,8 @@ def true_gradient(theta, rewards):
 def tiny_model(batch=6, seed=0, prompt_len=4, completion_len=5):
     """A randomly initialised tiny Llama and a batch of left-padded prompts followed by completions of varied length."""
     torch.manual_seed(seed)
-    tokenizer = common.build_tokenizer()
-    model = common.build_tiny_model(tokenizer)
+    tokenizer = sft.build_tokenizer()
+    model = sft.build_tiny_model(tokenizer)
     prompt_ids = torch.randint(3, len(tokenizer), (batch, prompt_len))
     prompt_mask = torch.ones(batch, prompt_len, dtype=torch.long)
     prompt_mask[::2, :2] = 0  # every other prompt is left-padded

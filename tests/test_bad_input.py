@@ -10,7 +10,6 @@ import pytest
 import torch
 from test_smoke import ROOT, run_here
 
-import common
 import dapo
 import dpo
 import dr_grpo
@@ -19,6 +18,7 @@ import gspo
 import ppo
 import rloo
 import sft
+from plumbing import checks, hub, models
 
 RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo]
 NAN, INF = float("nan"), float("inf")
@@ -135,8 +135,8 @@ def test_a_folder_without_a_model_is_refused_before_loading(tmp_path):
 
 
 def tiny_model(path, with_tokenizer=True):
-    tokenizer = common.build_tokenizer()
-    common.build_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer = sft.build_tokenizer()
+    sft.build_tiny_model(tokenizer).save_pretrained(path)
     if with_tokenizer:
         tokenizer.save_pretrained(path)
 
@@ -144,21 +144,21 @@ def tiny_model(path, with_tokenizer=True):
 def test_a_folder_without_a_tokenizer_is_one_line_naming_the_flag(tmp_path):
     tiny_model(tmp_path, with_tokenizer=False)
     with pytest.raises(SystemExit) as exit_info:
-        common.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
+        models.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
     line = str(exit_info.value.code)
     assert line.startswith(f"--model-name-or-path {str(tmp_path)!r}: no tokenizer in this folder") and "\n" not in line
 
 
 def test_a_damaged_built_in_cache_names_the_folder_to_delete(tmp_path):
     cache = str(tmp_path / "cache")
-    path = common.builtin_model_dir(cache)
+    path = models.builtin_model_dir(cache)
     tiny_model(path)
-    common.load_model_and_tokenizer("builtin", cache, torch.device("cpu"))  # intact: loads
+    models.load_model_and_tokenizer("builtin", cache, torch.device("cpu"))  # intact: loads
     weights = os.path.join(path, "model.safetensors")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(SystemExit) as exit_info:
-        common.load_model_and_tokenizer("builtin", cache, torch.device("cpu"))
+        models.load_model_and_tokenizer("builtin", cache, torch.device("cpu"))
     line = str(exit_info.value.code)
     assert f"the cached built-in model in {path} cannot be loaded" in line and "delete that folder" in line
     assert "\n" not in line
@@ -205,7 +205,7 @@ def test_a_hub_data_set_that_cannot_be_reached_is_one_line(monkeypatch, capfd, t
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
-    monkeypatch.setattr(common, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before the data"))
+    monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before the data"))
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, "grpo.py", "--task", "gsm8k", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path))
     assert str(exit_info.value.code).startswith("--task gsm8k: openai/gsm8k is not in the local datasets cache")
@@ -216,14 +216,14 @@ def test_hub_unreachable_says_why_and_is_none_for_a_listening_endpoint(monkeypat
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
-    assert "127.0.0.1" in common.hub_unreachable(timeout=2)
+    assert "127.0.0.1" in hub.hub_unreachable(timeout=2)
     with socket.socket() as server:  # a local endpoint that accepts connections
         server.bind(("127.0.0.1", 0))
         server.listen()
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
-        assert common.hub_unreachable(timeout=2) is None
+        assert hub.hub_unreachable(timeout=2) is None
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert common.hub_unreachable() == "HF_HUB_OFFLINE is set"
+    assert hub.hub_unreachable() == "HF_HUB_OFFLINE is set"
 
 
 def test_an_output_folder_that_cannot_be_created_fails_through_the_command_line(tmp_path):
@@ -239,21 +239,21 @@ def test_an_output_folder_that_cannot_be_created_fails_through_the_command_line(
 
 def test_a_real_bug_still_shows_its_traceback(monkeypatch, tmp_path):
     """Only loading errors become one line: an error of our own code is not swallowed."""
-    monkeypatch.setattr(common, "resolve_model_path", lambda *args: 1 / 0)
+    monkeypatch.setattr(models, "resolve_model_path", lambda *args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        common.load_model_and_tokenizer("builtin", str(tmp_path), torch.device("cpu"))
+        models.load_model_and_tokenizer("builtin", str(tmp_path), torch.device("cpu"))
 
 
 def test_check_flag_reads_the_value_from_the_args():
     args = grpo.Args(beta=0.5)
-    common.check_flag(args, "beta", "ok", lambda v: v > 0)
+    checks.flag(args, "beta", "ok", lambda v: v > 0)
     with pytest.raises(SystemExit, match=r"^--beta 0.5: below 1$"):
-        common.check_flag(args, "beta", "below 1", lambda v: v > 1)
+        checks.flag(args, "beta", "below 1", lambda v: v > 1)
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py"])
 def test_more_prompts_per_step_than_the_training_split_holds_is_refused_before_loading(monkeypatch, tmp_path, script):
-    monkeypatch.setattr(common, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before refusing"))
+    monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before refusing"))
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, script, "--num-prompts", "100000", "--output-dir", str(tmp_path))
     assert str(exit_info.value.code) == "--num-prompts 100000: at most the 9500 prompts of the training split"

@@ -10,6 +10,8 @@ import torch
 from test_smoke import SMALL, coin_flip_rewards, rows, run_here
 
 import common
+import tasks
+from plumbing import models
 
 CHATML = (  # Qwen2.5's ChatML, without its tool calls
     r"{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -31,7 +33,7 @@ def chat_model_dir(tmp_path_factory):
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = [f"What is {a} plus {b}? The answer is {a + b}." for a in range(40) for b in range(12)]
-    bpe.train_from_iterator(corpus + [text for text in common.INSTRUCTIONS.values()] * 5, trainer)
+    bpe.train_from_iterator(corpus + [text for text in tasks.INSTRUCTIONS.values()] * 5, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHATML
     end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
@@ -64,27 +66,27 @@ def data_file(tmp_path_factory):
 
 
 def test_prompts_are_rendered_with_the_chat_template(chat_model_dir, data_file):
-    model, tokenizer = common.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
-    task = common.make_task("gsm8k", data_file, num_eval=4)
+    model, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    task = tasks.make_task("gsm8k", data_file, num_eval=4)
     assert len(task.eval) == 4 and len(task.train) == 20 and not set(task.eval["prompt"]) & set(task.train["prompt"])
     assert task.train["answer"][0].isdigit()  # integers in the file are read as answer text
     raw = task.train[0]["prompt"]
-    rendered = common.apply_chat_template(task, tokenizer, "auto")
+    rendered = tasks.apply_chat_template(task, tokenizer, "auto")
     expected = (
-        f"<|im_start|>system\n{common.INSTRUCTIONS['gsm8k']}<|im_end|>\n<|im_start|>user\n{raw}<|im_end|>\n"
+        f"<|im_start|>system\n{tasks.INSTRUCTIONS['gsm8k']}<|im_end|>\n<|im_start|>user\n{raw}<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     assert rendered.train[0]["prompt"] == expected and rendered.eval[0]["prompt"].endswith("<|im_start|>assistant\n")
     ids, _ = common.tokenize_prompts(tokenizer, [expected], torch.device("cpu"))
     assert ids[0, 0].item() == tokenizer.convert_tokens_to_ids("<|im_start|>")  # the markers are single special tokens
-    assert common.apply_chat_template(task, tokenizer, "none").train[0]["prompt"] == raw
+    assert tasks.apply_chat_template(task, tokenizer, "none").train[0]["prompt"] == raw
     assert common.eos_token_ids(model, tokenizer) == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
 
 
 def test_generation_stops_at_either_eos(chat_model_dir):
     """Greedy decoding steered to end row 0 with <|im_end|> at its second token and row 1 with <|endoftext|> at its
     third: each row's mask runs through its own EOS, neither is truncated, and row 2 (no EOS) is."""
-    model, tokenizer = common.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    model, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
     end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     word = tokenizer("What", add_special_tokens=False).input_ids[0]
     steps = []
@@ -136,18 +138,18 @@ def test_bad_model_folders_and_data_are_refused_in_one_line(chat_model_dir, data
         if not name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(os.path.join(chat_model_dir, name), weights_only / name)
     with pytest.raises(SystemExit, match="no tokenizer in this folder") as info:
-        common.load_model_and_tokenizer(str(weights_only), "", torch.device("cpu"))
+        models.load_model_and_tokenizer(str(weights_only), "", torch.device("cpu"))
     assert "\n" not in str(info.value.code)
     no_answer = tmp_path / "no_answer.jsonl"
     no_answer.write_text(json.dumps({"prompt": "What is 1 plus 3?", "solution": "4"}))
     with pytest.raises(
         SystemExit, match=r"--dataset .*no_answer.jsonl': missing column\(s\) answer \(it has prompt, solution\)"
     ):
-        common.make_task("gsm8k", str(no_answer))
+        tasks.make_task("gsm8k", str(no_answer))
     text = tmp_path / "questions.txt"
     text.write_text("What is 1 plus 3?")
     with pytest.raises(SystemExit, match="--dataset .*: cannot read .txt files"):
-        common.make_task("gsm8k", str(text))
+        tasks.make_task("gsm8k", str(text))
     import grpo
 
     for model, mode in (("builtin", "on"), (chat_model_dir, "sometimes")):

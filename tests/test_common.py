@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import common
+import sft
+import tasks
 from helpers import tiny_model
+from plumbing import dist, models
 
 
 def test_completion_mask_runs_through_the_first_eos_only():
@@ -35,7 +38,7 @@ class ScriptedModel(torch.nn.Module):
 
 
 def test_generate_marks_eos_padding_and_truncation():
-    tokenizer = common.build_tokenizer()
+    tokenizer = sft.build_tokenizer()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45=", "7+7=", "99+99="], torch.device("cpu"))
     model = ScriptedModel([0, 2, 5, -1], eos)
@@ -54,7 +57,7 @@ def test_generate_marks_eos_padding_and_truncation():
 def test_generate_samples_from_softmax_of_logits_over_temperature():
     """Empirical first-token frequencies match softmax(logits / T) of a full forward pass."""
     model, *_ = tiny_model()
-    tokenizer = common.build_tokenizer()
+    tokenizer = sft.build_tokenizer()
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["13+45="], torch.device("cpu"))
     prompt_ids, prompt_mask = prompt_ids.expand(5000, -1), prompt_mask.expand(5000, -1)
     with torch.no_grad():
@@ -95,7 +98,7 @@ def test_logprobs_match_the_sampling_distribution_at_temperature():
 
 def test_generate_greedy_picks_the_argmax_and_matches_a_full_forward():
     model, *_ = tiny_model()
-    tokenizer = common.build_tokenizer()
+    tokenizer = sft.build_tokenizer()
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45="], torch.device("cpu"))
     assert not prompt_mask[0].all()  # the first prompt is left-padded
     ids, mask, _ = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, 0.0)
@@ -116,7 +119,7 @@ def operands(prompt: str) -> frozenset:
 
 
 def test_addition_task_is_fixed_disjoint_and_verified():
-    task = common.make_task("addition")
+    task = tasks.make_task("addition")
     train, held_out = task.train[:], task.eval[:]  # dicts of lists
     assert len(task.eval) == 500 and len(task.train) == 10_000 - 500
     assert not set(held_out["prompt"]) & set(train["prompt"])
@@ -125,7 +128,7 @@ def test_addition_task_is_fixed_disjoint_and_verified():
     assert not [p for p in held_out["prompt"] if operands(p) in trained_pairs]
     twins = [p for p in held_out["prompt"] if len(operands(p)) == 2]
     assert twins and all(f"{p[3:5]}+{p[:2]}=" in held_out["prompt"] for p in twins)  # both orders held out together
-    assert common.make_task("addition").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
+    assert tasks.make_task("addition").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
     answers = dict(zip(train["prompt"] + held_out["prompt"], train["answer"] + held_out["answer"]))
     assert answers["07+45="] == "25" and answers["68+57="] == "521" and answers["00+00="] == "0"  # sum, reversed
     reward = task.reward(["46", " 46 ", "47", "", "046"], ["46"] * 5)
@@ -133,18 +136,18 @@ def test_addition_task_is_fixed_disjoint_and_verified():
 
 
 def test_scratchpad_task_is_fixed_disjoint_long_and_verified():
-    task = common.make_task("scratchpad")
+    task = tasks.make_task("scratchpad")
     train, held_out = task.train[:], task.eval[:]
     assert len(task.eval) == 500 and len(task.train) == 20_000 - 500 and task.max_new_tokens == 64
     trained_pairs = {operands(p) for p in train["prompt"]}
     assert not [p for p in held_out["prompt"] if operands(p) in trained_pairs]  # no problem and no commuted twin leaks
-    assert common.make_task("scratchpad").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
+    assert tasks.make_task("scratchpad").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
     # worked by hand: columns from the least significant digit, the carry written as "+1", then " =" and the sum
-    assert common.scratchpad_solution(482, 396) == "2+6=8 8+9=17 4+3+1=8 =878"
-    assert common.scratchpad_solution(999, 1) == "9+1=10 9+0+1=10 9+0+1=10 =1000"
-    assert common.scratchpad_solution(5, 3) == "5+3=8 0+0=0 0+0=0 =8"
+    assert tasks.scratchpad_solution(482, 396) == "2+6=8 8+9=17 4+3+1=8 =878"
+    assert tasks.scratchpad_solution(999, 1) == "9+1=10 9+0+1=10 9+0+1=10 =1000"
+    assert tasks.scratchpad_solution(5, 3) == "5+3=8 0+0=0 0+0=0 =8"
     a, b = map(int, train["prompt"][0].rstrip("=").split("+"))
-    assert train["answer"][0] == str(a + b) and train["solution"][0] == common.scratchpad_solution(a, b)
+    assert train["answer"][0] == str(a + b) and train["solution"][0] == tasks.scratchpad_solution(a, b)
     lengths = [len(s) + 1 for s in train["solution"]]  # one token per character, and EOS
     assert min(lengths) == 21 and max(lengths) == 31 and 2 * max(lengths) < task.max_new_tokens
     # only the final answer counts: the number after the last lone "=", whatever the working says
@@ -160,35 +163,37 @@ def test_lengths_by_outcome_splits_correct_from_wrong_and_skips_an_empty_side():
 
 
 def test_gsm8k_verifier_reads_the_last_number():
-    assert common._gsm8k_answer("so 3 + 4 = 7. The answer is 1,234.") == "1234"
-    assert common._gsm8k_answer("no number here") is None
+    assert tasks.gsm8k_answer("so 3 + 4 = 7. The answer is 1,234.") == "1234"
+    assert tasks.gsm8k_answer("no number here") is None
 
 
 def test_split_by_key_keeps_every_key_on_one_side():
     import datasets
 
     ds = datasets.Dataset.from_dict({"prompt": [f"q{i % 7}" for i in range(40)], "answer": [str(i) for i in range(40)]})
-    rest, held = common.split_by_key(ds, 12, lambda row: row["prompt"], seed=0)
+    rest, held = tasks.split_by_key(ds, 12, lambda row: row["prompt"], seed=0)
     assert len(rest) + len(held) == 40 and 0 < len(held) <= 12
     assert not set(rest["prompt"]) & set(held["prompt"])
-    again = common.split_by_key(ds, 12, lambda row: row["prompt"], seed=0)[1]
+    again = tasks.split_by_key(ds, 12, lambda row: row["prompt"], seed=0)[1]
     assert again["answer"] == held["answer"]  # fixed by its seed
 
 
-def test_aggregate_takes_max_min_and_mean():
-    rows = [{"a": torch.tensor(1.0), "x_max": 2.0, "x_min": 0.5}, {"a": torch.tensor(3.0), "x_max": 5.0, "x_min": 0.1}]
-    assert common.aggregate(rows) == {"a": 2.0, "x_max": 5.0, "x_min": pytest.approx(0.1)}
+def test_pool_metrics_takes_the_mean_and_the_min_and_max_only_where_asked():
+    rows = [{"a": torch.tensor(1.0), "x": torch.tensor([2.0, 0.5])}, {"a": torch.tensor(3.0), "x": 5.0}]
+    assert common.pool_metrics(rows) == {"a": 2.0, "x": pytest.approx(2.5)}
+    pooled = common.pool_metrics(rows, min_max=("x",))
+    assert pooled == {"a": 2.0, "x": pytest.approx(2.5), "x_min": 0.5, "x_max": 5.0}
 
 
-def test_aggregate_weights_micro_batches_by_their_samples():
+def test_pool_metrics_weights_micro_batches_by_their_samples():
     """Three valid tokens in one micro-batch and one in the other: the token mean is 7 / 4, not the mean of means 2.5."""
     rows = [{"kl/old_approx": torch.tensor([1.0, 1.0, 1.0])}, {"kl/old_approx": torch.tensor([4.0])}, {"train/grad_norm": 2.0}]
-    out = common.aggregate(rows)
+    out = common.pool_metrics(rows)
     assert out["kl/old_approx"].item() == pytest.approx(7 / 4) and out["train/grad_norm"].item() == 2.0
 
 
 def test_decode_keeps_every_token_of_a_truncated_row():
-    tokenizer = common.build_tokenizer()
+    tokenizer = sft.build_tokenizer()
     eos, two = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("2")
     ids = torch.tensor([[two, two, two], [two, eos, 0], [eos, 0, 0]])
     mask = common.completion_mask(ids, [eos])
@@ -207,11 +212,11 @@ def test_evaluate_scores_greedy_answers_against_the_held_out_split():
     """A scripted model answers "2" then EOS for rows 0 and 2, "22" then EOS for row 1, and never ends row 3."""
     import datasets
 
-    tokenizer = common.build_tokenizer()
+    tokenizer = sft.build_tokenizer()
     model = ScriptedModel([1, 2, 1, -1], tokenizer.eos_token_id)
     model.weight = torch.nn.Parameter(torch.zeros(1))  # evaluate reads the device from the parameters
     data = datasets.Dataset.from_dict({"prompt": ["1+1=", "11+11=", "1+1=", "1+1="], "answer": ["2", "22", "3", "2"]})
-    task = common.Task("scripted", data, data, common._addition_answer)
+    task = tasks.Task("scripted", data, data, tasks.addition_answer)
     out = common.evaluate(model, tokenizer, task, max_new_tokens=3)
     assert out["eval/accuracy"] == pytest.approx(0.5)  # rows 0 and 1 right; row 2 wrong; row 3 truncated at "222"
     assert out["eval/response_length"] == pytest.approx((2 + 3 + 2 + 3) / 4)
@@ -231,37 +236,50 @@ def test_check_finite_names_the_step():
 
 
 def test_model_paths():
-    common.check_model_path("builtin")
-    common.check_model_path("Qwen/Qwen2.5-0.5B")  # a hub id is left to from_pretrained
+    models.check_model_path("builtin")
+    models.check_model_path("Qwen/Qwen2.5-0.5B")  # a hub id is left to from_pretrained
     for bad in ("/no/such/model", "./missing", "runs/a/b/model"):
         with pytest.raises(SystemExit, match="--model-name-or-path"):
-            common.check_model_path(bad)
+            models.check_model_path(bad)
 
 
 def test_logprobs_in_chunks_equal_the_whole_pass_with_their_gradient(monkeypatch):
-    """Log-probs, entropies and the gradient they carry are the same whether the output layer runs over all positions
-    at once or 7 positions at a time (recomputed in the backward pass), and the same as through the model's own
-    forward (the path of models that transform their logits)."""
+    """Log-probs, entropies and the gradient they carry are the same whether the output layer runs over all 20 positions
+    at once or 7 positions at a time, and the same as through the model's own forward (the path of models that transform
+    their logits). The output layer never sees more than a chunk of positions, and each chunk runs twice with a
+    gradient (recomputed in the backward pass) and once without."""
     model, input_ids, attention_mask, mask = tiny_model(batch=4)
+    head_positions = []  # positions of each call of the output layer (the model's own forward asks for 1 per row)
+    model.get_output_embeddings().register_forward_hook(lambda m, i, out: head_positions.append(out.shape[:-1].numel()))
 
-    def run(chunk, transforms=common.LOGIT_TRANSFORMS):
+    plain = common.LOGIT_TRANSFORMS
+
+    def run(chunk, transforms=plain):
         monkeypatch.setattr(common, "LOGITS_CHUNK", chunk)
         monkeypatch.setattr(common, "LOGIT_TRANSFORMS", transforms)
         model.zero_grad()
+        head_positions.clear()
         logprobs, entropy = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 0.7, entropy_grad=True)
         (logprobs[mask].sum() + 0.1 * entropy[mask].sum()).backward()
-        return logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+        return logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()], list(head_positions)
 
     vocab = model.get_output_embeddings().weight.shape[0]
     whole, chunked, forward = run(2**24), run(7 * vocab), run(2**24, ("vocab_size",))
-    assert 4 * mask.shape[1] > 7 * 2  # at least three chunks
+    assert whole[3] == [4, 20, 20] and chunked[3] == [4, 7, 7, 6, 6, 7, 7] and forward[3] == [4 * 6]  # 4 x (T + 1)
+    # The same per-position contributions, summed in another order: a reordered fp32 sum of n terms differs by up to
+    # about n * eps times their magnitude. We allow 8 times that at the scale of each gradient (contributions of single
+    # positions can exceed their total, which partly cancels); a wrong chunk or temperature differs by far more.
+    eps, n = torch.finfo(torch.float32).eps, mask.shape.numel()
     for other in (chunked, forward):
         assert torch.allclose(other[0], whole[0], atol=1e-6) and torch.allclose(other[1], whole[1], atol=1e-6)
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(other[2], whole[2]))
+        assert all(torch.allclose(a, b, rtol=0, atol=8 * n * eps * b.abs().max()) for a, b in zip(other[2], whole[2]))
     assert any(g.abs().sum() > 0 for g in whole[2])
+    monkeypatch.setattr(common, "LOGIT_TRANSFORMS", plain)  # chunks of 7 positions, without a gradient
+    monkeypatch.setattr(common, "LOGITS_CHUNK", 7 * vocab)
     with torch.no_grad():
+        head_positions.clear()
         logprobs, entropy = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 0.7)
-    assert torch.allclose(logprobs, whole[0], atol=1e-6) and not entropy.requires_grad
+    assert torch.allclose(logprobs, whole[0], atol=1e-6) and not entropy.requires_grad and head_positions == [4, 7, 7, 6]
 
 
 def test_gradient_checkpointing_recomputes_the_layers_and_leaves_the_gradient_unchanged():
@@ -278,13 +296,13 @@ def test_gradient_checkpointing_recomputes_the_layers_and_leaves_the_gradient_un
 
     plain = gradient()
     assert len(calls) == 1
-    common.enable_gradient_checkpointing(model)
+    models.enable_gradient_checkpointing(model)
     checkpointed = gradient()
     assert len(calls) == 2  # the layer ran again in the backward pass
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, checkpointed))
     model.config.attention_dropout = 0.1
     with pytest.raises(SystemExit, match="--gradient-checkpointing: this model has dropout"):
-        common.enable_gradient_checkpointing(model)
+        models.enable_gradient_checkpointing(model)
 
 
 def test_the_readme_example_task_works(monkeypatch):
@@ -294,9 +312,9 @@ def test_the_readme_example_task_works(monkeypatch):
 
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
         code = re.search(r"```python\n(def make_product_task.*?)```", f.read(), re.DOTALL).group(1)
-    monkeypatch.setattr(common, "TASKS", dict(common.TASKS))
+    monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
     exec(code, vars(common))
-    task = common.make_task("product")
+    task = tasks.make_task("product")
     assert len(task.eval) == 200 and task.reward(["408", " 408", "407"], ["408"] * 3).tolist() == [1.0, 1.0, 0.0]
     key = lambda p: tuple(sorted(p[:-1].split("*")))  # noqa: E731
     assert not {key(p) for p in task.train["prompt"]} & {key(p) for p in task.eval["prompt"]}
@@ -305,5 +323,7 @@ def test_the_readme_example_task_works(monkeypatch):
 
 def test_count_share_in_one_process_is_the_count_at_least_one():
     """In one process the share is the whole count, never below 1 (an empty minibatch divides by 1, not 0)."""
-    assert common.count_share(torch.tensor(5)).item() == 5.0 and common.count_share(torch.tensor(0)).item() == 1.0
-    assert common.shard(list(range(6))) == list(range(6)) and common.gather(torch.arange(3)).tolist() == [0, 1, 2]
+    assert (
+        dist.global_count_per_rank(torch.tensor(5)).item() == 5.0 and dist.global_count_per_rank(torch.tensor(0)).item() == 1.0
+    )
+    assert dist.shard(list(range(6))) == list(range(6)) and dist.concat_over_ranks(torch.arange(3)).tolist() == [0, 1, 2]

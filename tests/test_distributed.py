@@ -10,9 +10,12 @@ import sys
 import pytest
 import torch
 from distributed_jobs import keep_every_checkpoint, text_reward
+from rollouts import record_or_replay
 from test_smoke import ROOT, rows, run_here
 
 import common
+import tasks
+from plumbing import checks, run_state
 
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py"]
 SHARDED = ["grpo.py", "ppo.py"]
@@ -78,10 +81,10 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, mode
     PPO's whitening and token mean, DAPO's token mean and kept groups, every script's mean over responses. The first
     update moves some weight by more than 1e-5, so a missing average or a rank-local normaliser would show."""
     name = script[:-3]
-    monkeypatch.setattr(common.Task, "reward", text_reward)
-    monkeypatch.setattr(common.Checkpoint, "save", keep_every_checkpoint())
+    monkeypatch.setattr(tasks.Task, "reward", text_reward)
+    monkeypatch.setattr(run_state.Checkpoint, "save", keep_every_checkpoint())
     if script != "dpo.py":
-        monkeypatch.setenv("TINY_RLHF_ROLLOUTS", str(runs / "rollouts" / name))
+        monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
     run_here(monkeypatch, script, *flags(script, model_dir, str(runs / "pairs.jsonl")), "--output-dir", str(one))
     for step in (1, 2):
@@ -136,7 +139,7 @@ def test_num_prompts_must_split_over_the_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     args = grpo.Args(num_prompts=32)
     with pytest.raises(SystemExit, match="--num-prompts 32: must split evenly over the 3 processes"):
-        common.check_divisible(args, "num_prompts")
+        checks.distributed_flags(args, "num_prompts")
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(SystemExit, match="--fsdp: shards the model over the processes of torchrun"):
         grpo.check_args(grpo.Args(fsdp=True))

@@ -7,6 +7,9 @@ import torch
 
 import common
 import dpo
+import preference_pairs
+import sft
+import tasks
 from helpers import tiny_model
 
 
@@ -78,18 +81,18 @@ def test_sequence_logps_are_sums_over_completion_tokens_only():
 
 def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypatch):
     model, *_ = tiny_model()
-    tokenizer = common.build_tokenizer()
-    task = common.make_task("addition")
+    tokenizer = sft.build_tokenizer()
+    task = tasks.make_task("addition")
     # a verifier that calls an answer correct when it has an even number of characters
-    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
     torch.manual_seed(0)
-    pairs, skipped = common.build_verifier_pairs(
+    pairs, skipped = preference_pairs.sample_verifier_pairs(
         model, tokenizer, task, args(num_pair_prompts=40, group_size=4), torch.device("cpu")
     )
     assert len(pairs) + skipped == 40 and len(pairs) > 0
     for row in pairs:
         assert len(row["chosen"]) % 2 == 0 and len(row["rejected"]) % 2 == 1
-    data = common.tokenize_pairs(tokenizer, pairs[:4], torch.device("cpu"))
+    data = preference_pairs.tokenize_pairs(tokenizer, pairs[:4], torch.device("cpu"))
     chosen_ids, chosen_mask = data["chosen_ids"], data["chosen_mask"]
     for ids, mask, text in zip(chosen_ids, chosen_mask, pairs[:4]["chosen"]):
         assert ids[mask].tolist() == tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]

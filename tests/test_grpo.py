@@ -64,8 +64,8 @@ def test_groups_are_independent_and_zero_mean():
 def test_on_policy_ratio_is_one_and_nothing_is_clipped():
     logprobs = -torch.rand(6, 5)
     _, m = grpo.compute_loss(logprobs, logprobs, None, torch.randn(6), torch.ones(6, 5, dtype=torch.bool), args())
-    m = common.aggregate([m])
-    assert m["train/ratio_mean"] == 1 and m["train/ratio_min"] == 1 and m["train/ratio_max"] == 1
+    m = common.pool_metrics([m], min_max=("train/ratio",))
+    assert m["train/ratio"] == 1 and m["train/ratio_min"] == 1 and m["train/ratio_max"] == 1
     assert m["train/clip_frac_low"] == 0 and m["train/clip_frac_high"] == 0 and m["kl/old_approx"] == 0
 
 
@@ -91,7 +91,7 @@ def test_clip_fractions_count_only_tokens_on_a_plateau():
     _, m = grpo.compute_loss(
         ratios.log(), torch.zeros(2, 3), None, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool), args()
     )
-    m = common.aggregate([m])
+    m = common.pool_metrics([m])
     assert m["train/clip_frac_high"] == pytest.approx(1 / 6) and m["train/clip_frac_low"] == pytest.approx(1 / 6)
 
 
@@ -99,7 +99,7 @@ def test_approximate_kl_to_the_old_policy_is_k3():
     ratios = torch.tensor([[0.5, 2.0]])
     _, m = grpo.compute_loss(ratios.log(), torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2, dtype=torch.bool), args())
     expected = ((ratios - 1 - ratios.log()).mean()).item()  # E_old[r - 1 - log r] = KL(pi_old || pi_theta)
-    assert common.aggregate([m])["kl/old_approx"].item() == pytest.approx(expected) and expected > 0.1
+    assert common.pool_metrics([m])["kl/old_approx"].item() == pytest.approx(expected) and expected > 0.1
 
 
 def test_token_coefficients_are_1_over_20_and_1_over_200():

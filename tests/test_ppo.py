@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import common
 import ppo
+import sft
 from helpers import clip_table, tiny_model
 
 
@@ -138,7 +138,7 @@ def test_critic_reads_the_value_of_each_prefix():
     model, input_ids, attention_mask, mask = tiny_model(batch=3)
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
-        common.build_tokenizer().save_pretrained(path)  # a model folder with its tokenizer, as Critic expects
+        sft.build_tokenizer().save_pretrained(path)  # a model folder with its tokenizer, as Critic expects
         critic = ppo.Critic(SimpleNamespace(model_name_or_path=path, cache_dir="", task="addition"))
     T = mask.shape[1]
     values = critic(input_ids, attention_mask, T)

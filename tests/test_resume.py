@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 from test_smoke import SMALL, rows, run_here
 
-import common
+import tasks
+from plumbing import run_state
 
 
 def by_text(self, completions, answers):
@@ -20,7 +21,7 @@ def by_text(self, completions, answers):
 
 def interrupt_after(step):
     """MetricsLogger.log that sends this process SIGINT (Ctrl-C) once it has logged `step`."""
-    log = common.MetricsLogger.log
+    log = run_state.MetricsLogger.log
 
     def log_then_interrupt(self, logged_step, metrics):
         log(self, logged_step, metrics)
@@ -35,7 +36,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, tmp_path, monk
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
     have come) and --resume: every logged metric but time/*, the samples and the final weights agree. grpo.py stands for
     its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too, dpo.py walks pairs."""
-    monkeypatch.setattr(common.Task, "reward", by_text)
+    monkeypatch.setattr(tasks.Task, "reward", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4"]
     if script == "dpo.py":
         pairs = tmp_path / "pairs.jsonl"
@@ -45,14 +46,14 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, tmp_path, monk
         flags += [*SMALL, "--total-steps", "3", "--eval-every", "2", "--num-prompts", "2", "--group-size", "4"]
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "whole"))
 
-    monkeypatch.setattr(common.MetricsLogger, "log", interrupt_after(2))
+    monkeypatch.setattr(run_state.MetricsLogger, "log", interrupt_after(2))
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as stopped:
         run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "parts"))
     assert stopped.value.code == 0 and signal.getsignal(signal.SIGINT) is handler  # Ctrl-C is given back
     assert [r["step"] for r in rows(tmp_path / "parts")] == [0, 1, 2]
     monkeypatch.undo()
-    monkeypatch.setattr(common.Task, "reward", by_text)
+    monkeypatch.setattr(tasks.Task, "reward", by_text)
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "parts"), "--resume")
 
     untimed = lambda run: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(tmp_path / run)]  # noqa: E731

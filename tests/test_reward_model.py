@@ -12,8 +12,11 @@ from test_smoke import SMALL, rows, run_here
 from transformers import LlamaForSequenceClassification
 
 import common
+import preference_pairs
 import reward_model
+import tasks
 from helpers import tiny_model
+from plumbing import models
 
 
 def args(**overrides):
@@ -59,9 +62,9 @@ def test_pair_split_keeps_each_problem_on_one_side():
     pairs = datasets.Dataset.from_dict({"prompt": prompts, "chosen": ["1"] * len(prompts), "rejected": ["2"] * len(prompts)})
     train, held_out = reward_model.split_pairs(pairs, 40, by_operands=True)
     assert len(held_out) in (39, 40) and len(train) + len(held_out) == len(pairs)
-    train_keys = {common.addition_operands(r) for r in train}
-    assert not train_keys & {common.addition_operands(r) for r in held_out}
-    held_keys = [common.addition_operands(r) for r in held_out]
+    train_keys = {tasks.addition_operands(r) for r in train}
+    assert not train_keys & {tasks.addition_operands(r) for r in held_out}
+    held_keys = [tasks.addition_operands(r) for r in held_out]
     assert len(held_keys) > len(set(held_keys)), "some problem should be held out together with its twin"
     assert reward_model.split_pairs(pairs, 40, by_operands=True)[1]["prompt"] == held_out["prompt"]  # fixed split
     user = datasets.Dataset.from_dict({"prompt": ["a", "a", "b", "c", "c", "d"], "chosen": ["x"] * 6, "rejected": ["y"] * 6})
@@ -147,17 +150,21 @@ def test_reward_model_trains_then_scores_the_rollouts_of_ppo_and_grpo(model_dir,
 def test_verifier_pairs_are_built_once_and_cached(model_dir, tmp_path, monkeypatch):
     """dpo.py and reward_model.py share the pairs: built by the first caller (the only one to load the policy), read
     from the cache by the next. A verifier that calls answers of even length correct gives both kinds of answer."""
-    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
-    task = common.make_task("addition")
+    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    task = tasks.make_task("addition")
     calls = []
 
     def load_policy():
         calls.append(1)
-        return common.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
+        return models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
 
     settings = dict(model_name_or_path=model_dir, cache_dir=str(tmp_path), task="addition", max_new_tokens=8)
-    first = common.verifier_pairs(reward_model.Args(**settings, num_pair_prompts=16, group_size=4), task, load_policy, "cpu")
-    again = common.verifier_pairs(reward_model.Args(**settings, num_pair_prompts=16, group_size=4), task, load_policy, "cpu")
+    first = preference_pairs.cached_verifier_pairs(
+        reward_model.Args(**settings, num_pair_prompts=16, group_size=4), task, load_policy, "cpu"
+    )
+    again = preference_pairs.cached_verifier_pairs(
+        reward_model.Args(**settings, num_pair_prompts=16, group_size=4), task, load_policy, "cpu"
+    )
     assert calls == [1] and again[2] == 0.0 and again[1] == first[1] and again[0].to_list() == first[0].to_list()
     assert len(first[0]) + first[1] == 16 and len(first[0]) > 0
 
@@ -167,14 +174,14 @@ def test_bad_reward_models_are_refused_in_one_line(model_dir, tmp_path):
 
     with pytest.raises(SystemExit, match="--reward-model './nope': not a folder with a config.json"):
         grpo.check_args(grpo.Args(reward_model="./nope", output_dir=str(tmp_path)))
-    _, tokenizer = common.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
+    _, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
     with pytest.raises(SystemExit, match="--reward-model .*: a LlamaForCausalLM, not a reward model") as info:
-        common.load_reward_model(model_dir, tokenizer, torch.device("cpu"))  # the policy itself
+        models.load_reward_model(model_dir, tokenizer, torch.device("cpu"))  # the policy itself
     assert "\n" not in str(info.value.code)
     two = tiny_reward_model()[0]
     two.config.num_labels = 2
     two.save_pretrained(tmp_path / "two")
     tokenizer.save_pretrained(tmp_path / "two")
     with pytest.raises(SystemExit, match="has 2 outputs, a reward model has one"):
-        common.load_reward_model(str(tmp_path / "two"), tokenizer, torch.device("cpu"))
+        models.load_reward_model(str(tmp_path / "two"), tokenizer, torch.device("cpu"))
     assert os.path.isdir(tmp_path / "two")

@@ -208,7 +208,7 @@ def test_gspo_sequence_ratio_is_the_geometric_mean_not_the_sequence_ratio():
     _, m = gspo.compute_loss(logprobs, old, None, torch.tensor([1.0]), ones(1, 1000), gspo.Args())
     w = torch.exp((logprobs - old).sum()).item()
     assert w == pytest.approx(1.01**1000, rel=1e-3) and 2.0e4 < w < 2.2e4
-    assert m["train/ratio_mean"].mean().item() == pytest.approx(1.01, rel=1e-5)
+    assert m["train/ratio"].mean().item() == pytest.approx(1.01, rel=1e-5)
 
 
 def test_gspo_clipped_response_has_zero_gradient_on_every_token():
@@ -271,7 +271,7 @@ def test_micro_batches_leave_the_gradient_unchanged(module):
     with torch.no_grad():
         old = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0] - offsets
         _, m = module.compute_loss(old + offsets, old, None, advantages, mask, args)
-    clip_high = common.aggregate([m])["train/clip_frac_high"].item()
+    clip_high = common.pool_metrics([m])["train/clip_frac_high"].item()
     if module is gspo:  # positive advantages both clipped (response 0) and not (responses 2 and 4)
         assert clip_high == pytest.approx(mask[0].sum().item() / mask.sum().item())
     normaliser = {"num_tokens": mask.sum()} if module is dapo else {"num_responses": 6}
@@ -320,5 +320,5 @@ def test_gspo_logs_the_token_level_kl_to_the_old_policy():
     expected = ((math.exp(0.3) - 1 - 0.3) + (math.exp(-0.3) - 1 + 0.3)) / 2
     for module in (gspo, grpo):
         _, m = module.compute_loss(logprobs, old, None, torch.ones(1), ones(1, 2), module.Args(beta=0.0))
-        assert common.aggregate([m])["kl/old_approx"].item() == pytest.approx(expected, rel=1e-5), module.__name__
+        assert common.pool_metrics([m])["kl/old_approx"].item() == pytest.approx(expected, rel=1e-5), module.__name__
     assert expected == pytest.approx(0.0453, abs=1e-4)

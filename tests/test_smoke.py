@@ -14,6 +14,8 @@ import torch
 import common
 import grpo
 import sft
+import tasks
+from plumbing import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--total-steps", "2", "--num-prompts", "4", "--group-size", "4", "--eval-every", "1", "--device", "cpu"]
@@ -36,7 +38,7 @@ def coin_flip_rewards(monkeypatch, p=0.3, seed=0):
     """Replace the verifier by seeded coin flips that are correct with probability p: the briefly warmed-up test model
     answers nothing right, and DAPO's dynamic sampling needs groups whose answers are neither all right nor all wrong."""
     generator = torch.Generator().manual_seed(seed)
-    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: (torch.rand(len(c), generator=generator) < p).float())
+    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: (torch.rand(len(c), generator=generator) < p).float())
 
 
 def rows(output_dir):
@@ -78,8 +80,8 @@ def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):
     whose answer is set to the model's own greedy output count as correct, those whose answer is altered do not."""
     import datasets
 
-    model, tokenizer = common.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
-    task = common.make_task("addition")
+    model, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
+    task = tasks.make_task("addition")
     prompts = task.train[:300]["prompt"]
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, torch.device("cpu"))
     ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 8, temperature=0.0)
@@ -90,7 +92,7 @@ def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):
     data = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "answer": answers, "solution": answers})
     expected = sum(1 for i in range(len(rows)) if i % 3) / len(rows)
     assert sft.greedy_accuracy(model, tokenizer, data) == pytest.approx(expected)
-    assert common.evaluate(model, tokenizer, common.Task("check", data, data, common._addition_answer), 8)[
+    assert common.evaluate(model, tokenizer, tasks.Task("check", data, data, tasks.addition_answer), 8)[
         "eval/accuracy"
     ] == pytest.approx(expected)
 
@@ -125,7 +127,7 @@ def test_later_minibatches_are_off_policy(model_dir, tmp_path, monkeypatch):
     """With two minibatches the second one's ratios depart from 1: the old log-probs are the behaviour policy's, not
     the current ones. Random rewards stand in for a competent policy, so that the first update moves the policy."""
     generator = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(common.Task, "reward", lambda self, c, a: torch.randint(0, 2, (len(c),), generator=generator).float())
+    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.randint(0, 2, (len(c),), generator=generator).float())
     run_here(monkeypatch, "grpo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
     step = rows(tmp_path)[1]
     assert step["train/ratio_max"] > 1.0001 and step["train/ratio_min"] < 0.9999 and step["kl/old_approx"] > 0
@@ -177,7 +179,7 @@ def test_dapo_filters_groups_on_accuracy_not_on_the_overlong_penalty(model_dir, 
         lengths.extend(len(c) for c in completions)
         return torch.ones(len(completions))
 
-    monkeypatch.setattr(common.Task, "reward", all_correct)
+    monkeypatch.setattr(tasks.Task, "reward", all_correct)
     flags = ["--max-new-tokens", "4", "--overlong-buffer", "3", "--max-sampling-rounds", "2", "--output-dir", str(tmp_path)]
     with pytest.raises(SystemExit, match="step 1: dynamic sampling kept only 0 of 4 groups"):
         run_here(monkeypatch, "dapo.py", "--model-name-or-path", model_dir, *flags, *SMALL)
@@ -193,13 +195,13 @@ def test_logged_metrics_do_not_depend_on_the_micro_batch_size(model_dir, tmp_pat
     (read off a first run), so that a check of the last micro-batch alone would decide differently with micro-batches."""
     flags = ["--model-name-or-path", model_dir, *SMALL, "--total-steps", "1", "--num-prompts", "6", "--num-minibatches", "2"]
     if script == "ppo.py":
-        calls, aggregate = [], common.aggregate
-        monkeypatch.setattr(common, "aggregate", lambda rows: calls.append(rows) or aggregate(rows))
+        calls, pool_metrics = [], common.pool_metrics
+        monkeypatch.setattr(common, "pool_metrics", lambda rows, **kw: calls.append(rows) or pool_metrics(rows, **kw))
         coin_flip_rewards(monkeypatch, p=0.5)
         run_here(monkeypatch, script, *flags, "--micro-batch-size", "3", "--output-dir", str(tmp_path / "probe"))
-        monkeypatch.setattr(common, "aggregate", aggregate)
+        monkeypatch.setattr(common, "pool_metrics", pool_metrics)
         second = calls[1]  # the 4 micro-batch rows of the second minibatch (the first is on-policy: KL 0)
-        whole, last = aggregate(second)["kl/old_approx"].item(), second[-1]["kl/old_approx"].mean().item()
+        whole, last = pool_metrics(second)["kl/old_approx"].item(), second[-1]["kl/old_approx"].mean().item()
         assert len(second) == 4 and abs(whole - last) > 0.05 * whole > 0
         flags += ["--target-kl", str((whole + last) / 2)]
     logged = []

@@ -1,0 +1,112 @@
+"""Argument checks: each refuses a bad flag in one line that names it, its value and what is allowed, before any model
+or data is loaded. NaN fails every comparison, so a range written as `ok` refuses it too."""
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+import tasks
+from plumbing import dist, models
+
+
+def flag(args, name: str, allowed: str, ok: Callable) -> None:
+    """Refuse --NAME unless ok(value) holds (a float must also be finite)."""
+    value = getattr(args, name)
+    if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+        raise SystemExit(f"--{name.replace('_', '-')} {value}: {allowed}")
+
+
+def writable_dir(flag_name: str, path: str) -> None:
+    """Create the folder (or find it) and make sure a file can be written there, before any expensive work."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{flag_name} {path!r}: cannot create or write to this folder ({e.strerror or e})") from None
+
+
+def model_task_and_device(args) -> None:
+    """The shared block of flags every script has: --task, --model-name-or-path, --device."""
+    if args.task not in tasks.TASKS:
+        raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(tasks.TASKS)}")
+    if args.model_name_or_path == "builtin" and args.task not in tasks.BUILTIN_TASKS:
+        raise SystemExit(
+            f"--task {args.task}: the built-in model knows only {', '.join(tasks.BUILTIN_TASKS)}; pass --model-name-or-path"
+        )
+    models.check_model_path(args.model_name_or_path)
+    device(args)
+
+
+def device(args) -> None:
+    """--device is auto, cpu or cuda, and cuda only where CUDA is available."""
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"--device {args.device!r}: allowed values are auto, cpu, cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
+
+
+def distributed_flags(args, *global_counts: str) -> None:
+    """--fsdp needs torchrun, and under torchrun each flag in `global_counts` (the count of a whole step: prompts, pairs)
+    must split evenly over the processes."""
+    if getattr(args, "fsdp", False) and dist.world_size() == 1:
+        raise SystemExit("--fsdp: shards the model over the processes of torchrun; run under torchrun --nproc-per-node N")
+    for name in global_counts:
+        value = getattr(args, name)
+        if value % dist.world_size():
+            raise SystemExit(
+                f"--{name.replace('_', '-')} {value}: must split evenly over the {dist.world_size()} processes of this "
+                "torchrun (it is the count of the whole step, shared out between the processes)"
+            )
+
+
+def data_flags(args) -> None:
+    """--dataset must name something that can exist, and --chat-template a mode (and 'on', a tokenizer that has one)."""
+    if getattr(args, "dataset", "") and not os.path.exists(args.dataset) and not models.looks_like_hub_id(args.dataset):
+        raise SystemExit(f"--dataset {args.dataset!r}: no such file or folder, and not a hub id")
+    if args.chat_template not in ("auto", "on", "none"):
+        raise SystemExit(f"--chat-template {args.chat_template!r}: allowed values are auto, on, none")
+    path = args.model_name_or_path
+    if args.chat_template == "on" and (path == "builtin" or tasks.has_chat_template(path) is False):
+        raise SystemExit(f"--chat-template on: the tokenizer of {path!r} has no chat template (use auto or none)")
+
+
+def resume_flags(args) -> None:
+    """--save-every must be 0 or positive, and --resume needs a checkpoint in --output-dir."""
+    flag(args, "save_every", "must be 0 (only when interrupted) or positive", lambda v: v >= 0)
+    if args.resume and not os.path.isfile(os.path.join(args.output_dir, "checkpoint.pt")):
+        raise SystemExit(f"--resume: no checkpoint.pt in --output-dir {args.output_dir!r} to continue from")
+
+
+def output_folders(args) -> None:
+    """The last check: the output folder is created (or found) writable, and so is the cache when a warm-up is due."""
+    writable_dir("--output-dir", args.output_dir)
+    if args.model_name_or_path == "builtin" and not os.path.isdir(models.builtin_model_dir(args.cache_dir, args.task)):
+        writable_dir("--cache-dir", models.cache_root(args.cache_dir))  # the warm-up will be cached there
+
+
+def rl_flags(args) -> None:
+    """The flags every RL script shares (grpo.py and its siblings, ppo.py)."""
+    model_task_and_device(args)
+    distributed_flags(args, "num_prompts")
+    for name in ("temperature", "learning_rate", "max_grad_norm"):
+        flag(args, name, "must be positive", lambda v: v > 0)
+    flag(args, "beta", "must be 0 (no KL penalty) or positive", lambda v: v >= 0)
+    for name in ("num_prompts", "num_minibatches", "num_epochs", "eval_every"):
+        flag(args, name, "must be at least 1", lambda v: v >= 1)
+    flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
+    flag(args, "total_steps", "must be 0 (the script's number for the task) or positive", lambda v: v >= 0)
+    flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)
+    flag(
+        args,
+        "num_eval",
+        f"must be at least 1, and one per process ({dist.world_size()})",
+        lambda v: v >= max(1, dist.world_size()),
+    )
+    resume_flags(args)
+    data_flags(args)
+    if args.reward_model and not os.path.isfile(os.path.join(args.reward_model, "config.json")):
+        raise SystemExit(f"--reward-model {args.reward_model!r}: not a folder with a config.json (see reward_model.py)")

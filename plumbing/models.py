@@ -1,0 +1,158 @@
+"""Loading models: the built-in tiny model (warmed up once by sft.py and cached), a local folder or a hub id, the same
+way through AutoModelForCausalLM / AutoTokenizer; a learned reward model for --reward-model; gradient checkpointing.
+Every failure is one line that names the flag (or the cache folder) and the likely fix."""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+
+import torch
+
+from plumbing import dist
+from plumbing.hub import LOAD_ERRORS, first_line, load_local_first
+
+
+def cache_root(cache_dir: str = "") -> str:
+    """--cache-dir, else $TINY_RLHF_CACHE, else ~/.cache/tiny-rlhf."""
+    return cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
+
+
+@functools.cache  # once per process, so that editing the sources during a run cannot change the answer
+def builtin_model_dir(cache_dir: str, task: str = "addition") -> str:
+    """Where the built-in model warmed up on `task` is cached. The folder name carries a hash of the warm-up recipe
+    (sft.py, its settings for the task, and the code that builds the task, tokenizer and model), so that changing it
+    trains a new model instead of silently reusing a stale one."""
+    import inspect
+
+    import common
+    import sft
+    import tasks
+
+    recipe_parts = [sft.Args, sft.encode, sft.greedy_accuracy, sft.warm_up, sft.build_tokenizer, sft.build_tiny_model]
+    recipe_parts += [tasks.TASKS[task], tasks.split_by_key, tasks.addition_operands]
+    recipe_parts += [common.tokenize_prompts, common.generate, common.evaluate]
+    recipe_parts += [tasks.scratchpad_solution] if task == "scratchpad" else []
+    recipe = json.dumps(vars(sft.task_args(task)), sort_keys=True) + "".join(inspect.getsource(f) for f in recipe_parts)
+    return os.path.join(cache_root(cache_dir), f"builtin-{task}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None and ".." not in name
+
+
+def check_model_path(name: str) -> None:
+    """Fail fast on a model path that cannot exist, before any expensive work."""
+    if name != "builtin" and not os.path.isdir(name) and (not looks_like_hub_id(name) or os.path.exists(name)):
+        raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise SystemExit(f"--model-name-or-path {name!r}: no config.json in this folder (save a model with save_pretrained)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
+        raise SystemExit(f"--model-name-or-path {name!r}: no tokenizer in this folder (save it too, with save_pretrained)")
+
+
+def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str:
+    """'builtin' means the tiny model after its supervised warm-up on the built-in `task` (sft.py), trained the first
+    time it is needed and cached on disk: return its folder. Anything else is returned as it is, for from_pretrained."""
+    check_model_path(name)
+    if name != "builtin":
+        return name
+    path = builtin_model_dir(cache_dir, task)
+    # under torchrun rank 0 warms up (alone) while the others wait: every rank must take the same decision
+    if not dist.on_every_rank(os.path.isfile(os.path.join(path, "config.json"))):
+        if dist.is_main():
+            import sft
+
+            print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
+            with dist.as_single_process():
+                sft.warm_up(dataclasses.replace(sft.task_args(task), output_dir=path + ".partial"))
+            os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
+        dist.wait_for_file(os.path.join(path, "config.json"))
+    return path
+
+
+def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, task: str = "addition", auto_class=None, **kw):
+    """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model
+    (warmed up on `task`) and for a hub model alike. `auto_class` loads another head on the same body, e.g.
+    AutoModelForSequenceClassification with num_labels=1 (passed on in `kw`) for a reward model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name, cache_dir, task)
+    auto_class = auto_class or AutoModelForCausalLM
+    load = lambda **local: (  # noqa: E731
+        AutoTokenizer.from_pretrained(path, padding_side="left", **local),
+        auto_class.from_pretrained(path, dtype=torch.float32, **kw, **local),
+    )
+    try:
+        tokenizer, model = load_local_first(load, path)
+    except LOAD_ERRORS as e:
+        raise SystemExit(load_error_message(name, path, e)) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
+    return model.to(device), tokenizer
+
+
+def load_error_message(name: str, path: str, error: Exception) -> str:
+    """One line that names the flag (or the cache folder) and the likely fix."""
+    if name == "builtin":
+        return (
+            f"the cached built-in model in {path} cannot be loaded ({first_line(error)}); delete that folder and run again "
+            "to rebuild it"
+        )
+    if os.path.isdir(path):
+        return f"--model-name-or-path {name!r}: cannot load a model and its tokenizer from this folder ({first_line(error)})"
+    return (
+        f"--model-name-or-path {name!r}: not in the local Hugging Face cache, and downloading it failed "
+        f"({first_line(error)}). Without internet, pass a local folder saved with save_pretrained"
+    )
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing: the library's activation checkpointing, each decoder layer's activations recomputed in
+    the backward pass instead of stored (less memory for about one more forward pass of time; the gradient is the same).
+    The library checkpoints only in training mode, so the model is switched to it, which is safe only without dropout:
+    that is checked, since every other model here stays in eval mode so that the on-policy ratio is exactly 1."""
+    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    rates += [getattr(model.config, k, 0) or 0 for k in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop")]
+    if any(isinstance(r, (int, float)) and r > 0 for r in rates):
+        raise SystemExit("--gradient-checkpointing: this model has dropout, which the training mode it needs would turn on")
+    if not model.supports_gradient_checkpointing:
+        raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+
+def load_reward_model(path: str, tokenizer, device: torch.device):
+    """--reward-model: a one-output AutoModelForSequenceClassification saved by reward_model.py, frozen. It must read the
+    policy's tokens, so its tokenizer must be the policy's."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        architecture = (config.architectures or ["an unknown architecture"])[0]
+        if not architecture.endswith("ForSequenceClassification"):
+            raise SystemExit(f"--reward-model {path!r}: a {architecture}, not a reward model (train one with reward_model.py)")
+        if config.num_labels != 1:
+            raise SystemExit(f"--reward-model {path!r}: has {config.num_labels} outputs, a reward model has one")
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        rm_tokenizer = AutoTokenizer.from_pretrained(path)
+    except LOAD_ERRORS as e:
+        raise SystemExit(f"--reward-model {path!r}: cannot load a reward model and its tokenizer ({first_line(e)})") from None
+    if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"--reward-model {path!r}: its tokenizer is not the policy's (train it from the same base model)")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_body(name: str, cache_dir: str, task: str = "addition"):
+    """The transformer body of the model `name` (the built-in model warmed up on `task`, a folder or a hub id) without
+    its output layer, through AutoModel, for a network with a head of its own (PPO's critic)."""
+    from transformers import AutoModel
+
+    path = resolve_model_path(name, cache_dir, task)
+    try:
+        return load_local_first(lambda **local: AutoModel.from_pretrained(path, dtype=torch.float32, **local), path)
+    except LOAD_ERRORS as e:
+        raise SystemExit(load_error_message(name, path, e)) from None

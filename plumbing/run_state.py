@@ -1,0 +1,202 @@
+"""What a run keeps on disk: its metrics and samples as it goes (MetricsLogger), and a checkpoint to go on from after
+an interruption (Checkpoint). Under torchrun every rank calls these; rank 0 writes the files."""
+
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import common
+from plumbing import dist
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to OUTPUT_DIR/metrics.jsonl, and the evaluation's sampled answers (the
+    "samples" entry of `evaluate`'s metrics), one JSON object each with the step, to OUTPUT_DIR/samples.jsonl.
+
+    With `resume_step` (--resume) both files keep their rows up to that step (those after it were logged by the
+    interrupted run after its last checkpoint, and will be logged again), new rows are appended, a step already in the
+    file is not written again, and time/elapsed goes on from the last kept row. `last` is the last kept row and
+    `last_eval` its latest evaluation ({} on a fresh run).
+
+    Under torchrun every rank calls `log` with its own metrics; they are pooled over ranks (common.pool_metrics) and
+    rank 0 writes them. A metric may be a tensor of samples (e.g. lengths), logged as their mean."""
+
+    def __init__(self, output_dir: str, resume_step: int | None = None):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        samples_path = os.path.join(output_dir, "samples.jsonl")
+        kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
+        dist.barrier()  # every rank has read the files before rank 0 rewrites them
+        self.file, self.samples = io.StringIO(), io.StringIO()  # other ranks than 0 write nothing
+        if dist.is_main():
+            os.makedirs(output_dir, exist_ok=True)
+            self.file, self.samples = open(self.path, "w"), open(samples_path, "w")
+        for file, path in ((self.file, self.path), (self.samples, samples_path)):
+            file.writelines(json.dumps(row) + "\n" for row in kept[path])
+            file.flush()
+        rows = kept[self.path]
+        self.last = rows[-1] if rows else {}
+        evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in rows]
+        self.last_eval = next((e for e in evals[::-1] if e), {})
+        self.done_step = -1 if resume_step is None else resume_step
+        self.start = time.time() - self.last.get("time/elapsed", 0.0)
+
+    @staticmethod
+    def _rows_up_to(path: str, step: int | None) -> list[dict]:
+        if step is None or not os.path.isfile(path):
+            return []
+        rows = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut short when the interrupted run was killed
+                    break
+        return [row for row in rows if row["step"] <= step]
+
+    def log(self, step: int, metrics: dict) -> None:
+        if step <= self.done_step:  # already in the file (--resume)
+            return
+        row = {"step": step, "time/elapsed": round(time.time() - self.start, 3)}
+        numbers = {k: v for k, v in metrics.items() if k != "samples"}
+        if dist.world_size() > 1:
+            numbers = common.pool_metrics([numbers])  # over every rank's samples
+        row.update(
+            {k: (v.item() if v.numel() == 1 else v.mean().item()) if torch.is_tensor(v) else v for k, v in numbers.items()}
+        )
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        for sample in metrics.get("samples", []):
+            self.samples.write(json.dumps({"step": step, **sample}) + "\n")
+        self.samples.flush()
+        self.last = row
+
+    def close(self) -> None:
+        self.file.close()
+        self.samples.close()
+
+
+class Checkpoint:
+    """--save-every and --resume: what a run needs to go on exactly as if it had never stopped, in
+    OUTPUT_DIR/checkpoint.pt. That is the weights the optimizer trains (the policy, and PPO's critic), the optimizer's
+    state, the step, the random number generators (`rng`, of the prompt order or the pair order; torch's, of sampling and
+    minibatch order; CUDA's) and whatever `extra()` returns (a script's own loop state). Frozen models (the reference,
+    a reward model) are reloaded as they were. The checkpoint is written every `--save-every` steps and after an
+    interrupt (Ctrl-C or SIGTERM: the step in progress finishes, the checkpoint is saved, the run exits with status 0;
+    a second Ctrl-C stops at once), to a side file renamed over the old one, so that a save cut short never replaces a
+    good checkpoint. With --resume the constructor restores it; `step` is then its step (0 on a fresh run) and `extra`
+    what extra() returned."""
+
+    def __init__(self, args, optimizer, rng, extra: Callable[[], dict] = dict):
+        import signal
+        import threading
+
+        self.path = os.path.join(args.output_dir, "checkpoint.pt")
+        self.save_every, self.optimizer, self.rng, self.get_extra = args.save_every, optimizer, rng, extra
+        self.step, self.resumed_step, self.extra, self.interrupted = 0, None, {}, False
+        if args.resume:
+            self.load()
+        self.handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {s: signal.signal(s, self.interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def interrupt(self, signum, frame) -> None:
+        if self.interrupted:  # a second Ctrl-C: stop now, without a checkpoint of this step
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("\ninterrupted: the step in progress finishes, then a checkpoint is saved", file=sys.stderr, flush=True)
+
+    def trained(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def rng_state(self):
+        return self.rng.get_state() if isinstance(self.rng, torch.Generator) else self.rng.getstate()
+
+    def save(self, step: int) -> None:
+        """Under torchrun every rank calls this (FSDP2 shards are gathered, each rank's torch RNG state is kept) and
+        rank 0 writes the file."""
+        optimizer = self.optimizer.state_dict()
+        cpu = lambda v: dist.full_tensor(v).cpu() if torch.is_tensor(v) else v  # noqa: E731 (FSDP2: one gathered tensor at a time)
+        optimizer["state"] = {i: {k: cpu(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        state = {
+            "step": step,
+            "trained": [dist.full_tensor(p.detach()).cpu() for p in self.trained()],
+            "optimizer": optimizer,
+            "rng": self.rng_state(),
+            "torch_rng": self.per_rank(torch.get_rng_state()),
+            "cuda_rng": self.per_rank(torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []),
+            "extra": self.get_extra(),
+        }
+        if dist.is_main():
+            torch.save(state, self.path + ".partial")
+            os.replace(self.path + ".partial", self.path)
+        dist.barrier()
+
+    @staticmethod
+    def per_rank(value):
+        """value itself in one process; under torchrun the list of every rank's value."""
+        return value if dist.world_size() == 1 else dist.gather_objects(value)
+
+    def this_ranks(self, value):
+        """This rank's part of a value saved by `per_rank`."""
+        if dist.world_size() == 1:
+            return value
+        if not isinstance(value, list) or len(value) != dist.world_size():
+            raise SystemExit(f"--resume: {self.path} was saved by another number of processes than this run's")
+        return value[dist.rank()]
+
+    @staticmethod
+    def shaped_like(saved: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """A saved full tensor laid out like the parameter p: sharded the same way under FSDP2."""
+        if not hasattr(p, "device_mesh"):
+            return saved
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(saved.to(p.device), p.device_mesh, p.placements)
+
+    def load(self) -> None:
+        state = torch.load(
+            self.path, map_location="cpu", weights_only=False
+        )  # our own file: it holds Python RNG state, not only tensors
+        trained = self.trained()
+        if [p.shape for p in trained] != [p.shape for p in state["trained"]]:
+            raise SystemExit(f"--resume: {self.path} holds other weights than this run's model (another script or model?)")
+        with torch.no_grad():
+            for p, saved in zip(trained, state["trained"]):
+                p.copy_(self.shaped_like(saved, p))
+        for i, p in enumerate(trained):  # under FSDP2 the optimizer's state is sharded like its parameter, one at a time
+            for k, v in state["optimizer"]["state"].get(i, {}).items():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    state["optimizer"]["state"][i][k] = self.shaped_like(v, p)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.set_state(state["rng"]) if isinstance(self.rng, torch.Generator) else self.rng.setstate(state["rng"])
+        torch.set_rng_state(self.this_ranks(state["torch_rng"]))
+        if self.this_ranks(state["cuda_rng"]) and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(self.this_ranks(state["cuda_rng"]))
+        self.step = self.resumed_step = state["step"]
+        self.extra = state["extra"]
+        print(f"resuming after step {self.step} from {self.path}")
+
+    def step_done(self, step: int) -> None:
+        """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits."""
+        if dist.world_size() > 1:  # one rank interrupted: all of them save and stop at this step
+            self.interrupted = bool(dist.all_reduce(torch.tensor(int(self.interrupted)), "max"))
+        if self.interrupted or (self.save_every and step % self.save_every == 0):
+            self.save(step)
+        if self.interrupted:
+            self.close()
+            if dist.is_main():
+                print(f"saved the checkpoint of step {step} to {self.path}; continue with --resume", file=sys.stderr)
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        """Give Ctrl-C and SIGTERM back their previous handlers."""
+        import signal
+
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        self.handlers = {}

@@ -1,0 +1,103 @@
+"""Preference pairs (prompt, chosen, rejected) for dpo.py and reward_model.py: built from the policy's own answers and
+judged by the task's verifier (built once and cached, so that both scripts train on the same pairs), or read from a
+user's file with --dataset."""
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+import common
+import tasks
+from plumbing import dist, models
+
+
+@torch.no_grad()
+def sample_verifier_pairs(policy, tokenizer, task: tasks.Task, args, device: torch.device):
+    """Pairs (prompt, chosen, rejected) from the policy's own answers, judged by the task's verifier: each of
+    args.num_pair_prompts training problems is answered args.group_size times at temperature 1, and the most frequent
+    correct answer is paired with the most frequent wrong one (problems without both are skipped and counted).
+    Returns (datasets.Dataset, skipped)."""
+    import datasets
+    from tqdm import tqdm
+
+    rng = random.Random(0)  # the same pairs for every seed
+    prompts_all = task.train[rng.sample(range(len(task.train)), min(args.num_pair_prompts, len(task.train)))]
+    pairs, skipped = {"prompt": [], "chosen": [], "rejected": []}, 0
+    for start in tqdm(range(0, len(prompts_all["prompt"]), 64), desc="building pairs"):
+        prompts, answers = prompts_all["prompt"][start : start + 64], prompts_all["answer"][start : start + 64]
+        prompt_ids, prompt_mask = common.tokenize_prompts(
+            tokenizer, [p for p in prompts for _ in range(args.group_size)], device
+        )
+        completion_ids, mask, truncated = common.generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, 1.0)
+        texts = common.decode(tokenizer, completion_ids, mask, truncated)
+        correct = task.reward(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
+        ended = ~truncated  # only answers that ended with EOS
+        for i, prompt in enumerate(prompts):
+            group = range(i * args.group_size, (i + 1) * args.group_size)
+            good = Counter(texts[j] for j in group if correct[j] == 1 and ended[j])
+            bad = Counter(texts[j] for j in group if correct[j] == 0 and ended[j])
+            if not good or not bad:
+                skipped += 1
+                continue
+            # the most frequent correct and wrong answers: the policy's likeliest success against its likeliest mistake
+            pairs["prompt"].append(prompt)
+            pairs["chosen"].append(good.most_common(1)[0][0])
+            pairs["rejected"].append(bad.most_common(1)[0][0])
+    return datasets.Dataset.from_dict(pairs), skipped
+
+
+def cached_verifier_pairs(args, task: tasks.Task, load_policy: Callable, device: torch.device):
+    """The built-in preference pairs of args.model_name_or_path on args.task (sample_verifier_pairs), built the first
+    time and cached, so that dpo.py and reward_model.py train on the same pairs and build them once. `load_policy()`
+    returns (policy, tokenizer) and is called only when the pairs must be built. Returns (pairs, skipped, seconds
+    spent building them: 0 from the cache)."""
+    import datasets
+
+    model_path = models.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
+    recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
+    recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
+    key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
+    pairs_dir = os.path.join(models.cache_root(args.cache_dir), f"dpo-pairs-{key}")
+    # under torchrun rank 0 builds them (alone) while the others wait: every rank must take the same decision
+    missing, start = not dist.on_every_rank(os.path.isdir(pairs_dir)), time.time()
+    if missing and dist.is_main():
+        policy, tokenizer = load_policy()
+        with (
+            torch.random.fork_rng(devices=[]),
+            dist.as_single_process(),
+        ):  # the same pairs whatever --seed is: they are cached for all
+            torch.manual_seed(0)
+            pairs, skipped = sample_verifier_pairs(policy, tokenizer, task, args, device)
+        pairs.save_to_disk(pairs_dir + ".partial")
+        with open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w") as f:
+            json.dump(skipped, f)
+        os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
+    dist.wait_for_file(pairs_dir)
+    with open(os.path.join(pairs_dir, "skipped.json")) as f:
+        skipped = json.load(f)
+    return datasets.load_from_disk(pairs_dir), skipped, time.time() - start if missing else 0.0
+
+
+def load_pairs(path: str):
+    """--dataset of preference pairs (dpo.py, reward_model.py): like tasks.load_user_dataset, with prompt, chosen and rejected
+    columns. The prompts are used as given (render them with your chat template yourself)."""
+    return tasks.load_user_dataset(path, "--dataset", ("prompt", "chosen", "rejected"))
+
+
+def tokenize_pairs(tokenizer, pairs, device: torch.device) -> dict:
+    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS: a dict of (N, L)
+    tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, pairs["prompt"], device)
+    data = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+    for key in ("chosen", "rejected"):
+        ids = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for text in pairs[key]]
+        width = max(len(i) for i in ids)
+        data[f"{key}_ids"] = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
+        data[f"{key}_mask"] = torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device)
+    return data

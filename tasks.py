@@ -1,0 +1,258 @@
+"""Tasks: prompts with reference answers, a verifier that scores a completion 1 (correct) or 0, the built-in tasks
+(two-digit addition, three-digit addition worked on a scratchpad) and GSM8K, a user's own prompts (--dataset), and the
+chat template that turns a prompt into what a chat model reads.
+
+Your own task is a function that returns a Task, registered in TASKS (see docs/your-model-and-data.md)."""
+
+import dataclasses
+import json
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from plumbing.hub import offline_unless_hub_reachable
+
+
+@dataclass
+class Task:
+    """A task: training and held-out prompts with their reference answers, and a verifier (`extract_answer`, then
+    `reward`) that scores a completion 1 when the final answer it states is the reference answer, else 0."""
+
+    name: str
+    train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer (and solution: what the warm-up imitates)
+    eval: "datasets.Dataset"  # noqa: F821  fixed held-out split, never trained on
+    extract_answer: Callable[[str], str | None]  # completion text -> the final answer it states (or None)
+    max_new_tokens: int = 256  # the generation budget a script uses unless --max-new-tokens says otherwise
+    instruction: str = ""  # the answer format, told to a chat model as its system message (default: INSTRUCTIONS[name])
+    chat: bool = False  # whether the prompts were rendered with a chat template (apply_chat_template)
+
+    def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
+        """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
+        return torch.tensor([float(self.extract_answer(c) == a) for c, a in zip(completions, answers)])
+
+
+def split_by_key(dataset, num_held_out: int, key: Callable[[dict], object], seed: int):
+    """Split `dataset` into (rest, held_out) so that rows with the same key are never on both sides: whole key groups
+    go to the held-out side, in a shuffled order fixed by `seed`, while they fit into `num_held_out` rows. The key
+    names what must not leak: for addition the unordered pair of operands, so that "45+07=" is never trained on when
+    "07+45=" (same answer) is held out."""
+    groups = {}
+    for i, row in enumerate(dataset.to_list()):
+        groups.setdefault(key(row), []).append(i)
+    order = list(groups.values())
+    random.Random(seed).shuffle(order)
+    held_out = []
+    for rows in order:
+        if len(held_out) + len(rows) <= num_held_out:
+            held_out += rows
+    held = set(held_out)
+    return dataset.select([i for i in range(len(dataset)) if i not in held]), dataset.select(sorted(held_out))
+
+
+def addition_operands(row: dict) -> tuple[int, int]:
+    """The unordered pair {a, b} of an addition prompt "aa+bb=": a problem and its commuted twin share it."""
+    a, b = row["prompt"].rstrip("=").split("+")
+    return tuple(sorted((int(a), int(b))))
+
+
+def addition_answer(completion: str) -> str | None:
+    return completion.strip() or None
+
+
+def make_addition_task(num_eval: int = 500) -> Task:
+    """The built-in task: two-digit addition "07+45=", answered by the digits of the sum in reverse order, then EOS.
+
+    The sum is written least-significant digit first (52 -> "25", 125 -> "521"), as in Lee et al. 2023, "Teaching
+    Arithmetic to Small Transformers", and the operands are zero-padded to two digits: each answer digit then depends
+    on two aligned input digits and one carry, which a 1M-parameter model learns in about a minute on a CPU. Sums
+    without carries are easy and sums with two carries are hard, so a group of responses can be all correct, all
+    wrong, or mixed. The held-out split is fixed (its own seed) and split by the unordered pair of operands: neither
+    a held-out problem nor its commuted twin is ever trained on."""
+    import datasets
+
+    problems = [(a, b) for a in range(100) for b in range(100)]
+    answers = [str(a + b)[::-1] for a, b in problems]
+    prompts = [f"{a:02d}+{b:02d}=" for a, b in problems]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers, "solution": answers})
+    train, held_out = split_by_key(dataset, num_eval, addition_operands, seed=1234)
+    return Task(name="addition", train=train, eval=held_out, extract_answer=addition_answer, max_new_tokens=8)
+
+
+def scratchpad_solution(a: int, b: int, digits: int = 3) -> str:
+    """The worked solution of a + b, one column at a time from the least significant digit, the carry written out,
+    then the sum after a lone "=": 482 + 396 gives "2+6=8 8+9=17 4+3+1=8 =878"."""
+    columns, carry = [], 0
+    for i in range(digits):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        columns.append(f"{x}+{y}{'+1' if carry else ''}={x + y + carry}")
+        carry = (x + y + carry) // 10
+    return " ".join(columns) + f" ={a + b}"
+
+
+def scratchpad_answer(completion: str) -> str | None:
+    """The number after the last lone "=" (one that starts a word): the final answer, whatever the working says."""
+    answers = re.findall(r"(?:^|\s)=(\d+)", completion)
+    return answers[-1] if answers else None
+
+
+def make_scratchpad_task(num_eval: int = 500, num_problems: int = 20000) -> Task:
+    """The built-in long-answer task: three-digit addition "482+396=" worked column by column with its carries
+    ("2+6=8 8+9=17 4+3+1=8 =878", then EOS; see scratchpad_solution), rewarded on the final answer alone. A correct
+    response is 21 to 31 tokens long (with EOS) and its length depends on the carries; a model that loses its way can ramble
+    until --max-new-tokens (64 by default, twice the longest correct answer). `num_problems` distinct problems are
+    drawn (fixed seed) from the million, and the held-out split is split by the unordered pair of operands."""
+    import datasets
+
+    rng = random.Random(4321)
+    problems = list(dict.fromkeys((rng.randrange(1000), rng.randrange(1000)) for _ in range(2 * num_problems)))[:num_problems]
+    dataset = datasets.Dataset.from_dict(
+        {
+            "prompt": [f"{a:03d}+{b:03d}=" for a, b in problems],
+            "answer": [str(a + b) for a, b in problems],
+            "solution": [scratchpad_solution(a, b) for a, b in problems],
+        }
+    )
+    train, held_out = split_by_key(dataset, num_eval, addition_operands, seed=1234)
+    return Task("scratchpad", train, held_out, scratchpad_answer, max_new_tokens=64)
+
+
+def gsm8k_answer(completion: str) -> str | None:
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*", completion)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def make_gsm8k_task(num_eval: int = 500) -> Task:
+    """GSM8K from the Hugging Face hub (needs internet once): the last number in the completion must equal the answer."""
+    import datasets
+
+    def convert(split):
+        try:
+            with offline_unless_hub_reachable():
+                ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+        except OSError as e:  # offline without a cached copy: ConnectionError, or DatasetNotFoundError in offline mode
+            raise SystemExit(
+                f"--task gsm8k: openai/gsm8k is not in the local datasets cache and the hub cannot be reached "
+                f"({type(e).__name__}); run once with internet, or use --task addition (built in)"
+            ) from None
+        return ds.map(
+            lambda x: {"prompt": f"Question: {x['question']}\nAnswer:", "answer": x["answer"].split("####")[-1].strip()},
+            remove_columns=ds.column_names,
+        )
+
+    return Task("gsm8k", convert("train"), convert("test").select(range(num_eval)), gsm8k_answer)
+
+
+TASKS: dict[str, Callable[[], Task]] = {
+    "addition": make_addition_task,
+    "scratchpad": make_scratchpad_task,
+    "gsm8k": make_gsm8k_task,
+}
+BUILTIN_TASKS = ("addition", "scratchpad")  # the tasks the built-in model can be warmed up on
+
+
+# Each task's verifier and generation budget, for a user's data scored like the task (--dataset), and the system
+# message a chat model gets: the answer format, which is all the verifier reads.
+VERIFIERS = {"addition": (addition_answer, 8), "scratchpad": (scratchpad_answer, 64), "gsm8k": (gsm8k_answer, 256)}
+INSTRUCTIONS = {
+    "addition": "Add the two numbers. Reply with the digits of the sum in reverse order, ones digit first, and nothing else.",
+    "scratchpad": "Add the two numbers column by column from the ones digit, like 2+6=8 8+9=17 4+3+1=8, then = and the sum.",
+    "gsm8k": "Solve the problem step by step. End your reply with the final answer as a plain number.",
+}
+
+
+def make_task(name: str, dataset: str = "", num_eval: int = 500) -> Task:
+    """The task called `name` (checked by plumbing.checks before anything expensive). With `dataset` (--dataset), a
+    user's prompt / answer rows replace its data and are scored by its verifier; `num_eval` of them (at most half) are
+    held out for evaluation, split by prompt, so that no prompt is both trained on and evaluated."""
+    if not dataset:
+        return TASKS[name]()
+    import datasets
+
+    rows = load_user_dataset(dataset, "--dataset", ("prompt", "answer"))
+    rows = datasets.Dataset.from_dict(
+        {"prompt": [str(p) for p in rows["prompt"]], "answer": [str(a).strip() for a in rows["answer"]]}
+    )
+    if len(set(rows["prompt"])) < 2:
+        raise SystemExit(f"--dataset {dataset!r}: needs at least two distinct prompts (one to train on, one held out)")
+    train, held_out = split_by_key(rows, min(num_eval, len(rows) // 2), lambda row: row["prompt"], seed=1234)
+    if name in VERIFIERS:
+        extract_answer, max_new_tokens = VERIFIERS[name]
+    else:  # a task of your own: its verifier and budget, from the task itself
+        own = TASKS[name]()
+        extract_answer, max_new_tokens = own.extract_answer, own.max_new_tokens
+    return Task(name, train, held_out, extract_answer, max_new_tokens)
+
+
+def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):
+    """A data set a user names with `flag`: a .json, .jsonl, .csv or .parquet file, a folder saved with `save_to_disk`,
+    or a hub id, with `columns`. Anything else is refused in one line naming the flag, before any model is loaded."""
+    import datasets
+
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    extension = os.path.splitext(path)[1].lower()
+    if os.path.isfile(path) and extension not in builders:
+        raise SystemExit(
+            f"{flag} {path!r}: cannot read {extension or 'this'} files; give .json, .jsonl, .csv, .parquet or a folder"
+        )
+    try:
+        if os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+            ds = ds["train"] if isinstance(ds, datasets.DatasetDict) and "train" in ds else ds
+        elif os.path.isfile(path):
+            ds = datasets.load_dataset(builders[extension], data_files=path, split="train")
+        else:
+            with offline_unless_hub_reachable():
+                ds = datasets.load_dataset(path, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
+        raise SystemExit(f"{flag} {path!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise SystemExit(f"{flag} {path!r}: holds several splits and none is called train")
+    missing = set(columns) - set(ds.column_names)
+    if missing:
+        raise SystemExit(
+            f"{flag} {path!r}: missing column(s) {', '.join(sorted(missing))} (it has {', '.join(ds.column_names)})"
+        )
+    return ds
+
+
+def has_chat_template(path: str) -> bool | None:
+    """Whether the tokenizer saved in the folder `path` has a chat template (None: not a folder, so unknown yet)."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")) or os.path.isfile(os.path.join(path, "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def apply_chat_template(task: Task, tokenizer, mode: str) -> Task:
+    """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
+    conversation, the task's answer format as the system message (INSTRUCTIONS), the prompt as the user turn, then the
+    generation prompt; with 'none' (or 'auto' and no template, as for base models) the prompts stay plain text. A
+    template that refuses a system role gets the instruction at the head of the user turn instead."""
+    if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
+        return task
+    if not tokenizer.chat_template:
+        raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
+    from jinja2.exceptions import TemplateError
+
+    instruction = task.instruction or INSTRUCTIONS.get(task.name, "")
+
+    def render(prompt: str) -> str:
+        turns = [{"role": "system", "content": instruction}] if instruction else []
+        turns.append({"role": "user", "content": prompt})
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except TemplateError:  # e.g. no system role: the instruction opens the user turn
+            turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}".strip()}]
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+    rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})  # noqa: E731
+    return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True)
