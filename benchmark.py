@@ -147,8 +147,16 @@ def minutes_to(rows, accuracy: float):
     return hits[0] if hits else None
 
 
-def plot(results: dict, key: str, ylabel: str, path: str, x: str = "time/elapsed", xlabel: str = "wall-clock minutes"):
-    """Mean over seeds with a min-max band, for every algorithm that logs `key`."""
+# The KL estimator each script logs as kl/ref (per token, in nats): k3 in grpo.py's loss, k1 of the reward penalty in
+# rloo.py and ppo.py; the other scripts log it only with --beta > 0 (k3).
+KL_ESTIMATOR = {"grpo": "k3", "rloo": "k1", "ppo": "k1", "dr_grpo": "k3", "dapo": "k3", "gspo": "k3"}
+
+
+def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "step", window: int = 10, label=None) -> bool:
+    """Mean over seeds with a min-max band, for every algorithm that logs `key`, against `x` ("step", or
+    "train/responses": responses generated). Per-step metrics are smoothed (a trailing mean over `window` logged
+    points; 1 for evaluations). Evaluations get the start (the warm-up's accuracy) as a dashed reference line. Nothing is
+    written when no algorithm logs `key`; returns whether the chart was written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,19 +170,80 @@ def plot(results: dict, key: str, ylabel: str, path: str, x: str = "time/elapsed
             continue
         n = min(len(s) for s in per_seed)  # seeds log at the same steps; align on the shortest
         xs = [statistics.mean(s[i][0] for s in per_seed) for i in range(n)]
-        xs = [v / 60 for v in xs] if x == "time/elapsed" else xs
-        ys = [[s[i][1] for s in per_seed] for i in range(n)]
-        ax.plot(xs, [statistics.mean(y) for y in ys], label=algorithm)
+        smoothed = [smooth([y for _, y in s[:n]], window) for s in per_seed]
+        ys = [[s[i] for s in smoothed] for i in range(n)]
+        ax.plot(xs, [statistics.mean(y) for y in ys], label=label(algorithm) if label else algorithm)
         ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
         drawn = True
     if drawn:
-        ax.set_xlabel(xlabel)
+        if key == "eval/accuracy":
+            start = statistics.mean(rows[0]["eval/accuracy"] for runs in results.values() for rows in runs)
+            ax.axhline(start, color="gray", linestyle="--", linewidth=1, label=f"start (warm-up): {start:.1%}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel({"step": "step (one rollout and its updates; DPO: one optimizer step)"}.get(x, "responses generated"))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+    elif os.path.exists(path):
+        os.remove(path)  # a chart of an earlier run that nothing draws now
     plt.close(fig)
+    return drawn
+
+
+def plot_zero_variance(results: dict, title: str, path: str) -> None:
+    """Two panels: the fraction of groups whose responses are all correct, and all wrong (smoothed per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key, what in zip(axes, ("rollout/all_correct_frac", "rollout/all_wrong_frac"), ("all correct", "all wrong")):
+        for algorithm, runs in results.items():
+            per_seed = [s for s in series(runs, key, "step") if s]
+            if not per_seed:
+                continue
+            n = min(len(s) for s in per_seed)
+            smoothed = [smooth([y for _, y in s[:n]]) for s in per_seed]
+            ys = [[s[i] for s in smoothed] for i in range(n)]
+            xs = [per_seed[0][i][0] for i in range(n)]
+            ax.plot(xs, [statistics.mean(y) for y in ys], label=algorithm)
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
+        ax.set_title(f"groups whose responses are {what}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of the step's groups")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_task(results: dict, task: str, d: str) -> None:
+    """Every chart of one task into the folder d."""
+    n = len(next(iter(results.values())))
+    seeds = f"mean of {n} seeds, band: min to max" if n > 1 else "one seed"
+    smoothed, evals = f"\n({seeds}; 10-step trailing mean)", f"\n(greedy, on the held-out problems; {seeds})"
+    accuracy = ("eval/accuracy", f"{task}: held-out accuracy{evals}", "greedy accuracy (fraction correct)")
+    plot(results, *accuracy, f"{d}/accuracy_vs_responses.png", "train/responses", window=1)
+    plot(results, *accuracy, f"{d}/accuracy_vs_steps.png", "step", window=1)
+    kl = lambda algorithm: f"{algorithm} ({KL_ESTIMATOR.get(algorithm, 'k3')})"  # noqa: E731
+    kl_title, kl_unit = f"{task}: KL to the reference{smoothed}", "nats per token (estimator in the legend)"
+    plot(results, "kl/ref", kl_title, kl_unit, f"{d}/kl_ref.png", label=kl)
+    for key, what, unit, name in (
+        ("rollout/response_length", "length of sampled responses", "tokens (EOS included)", "response_length"),
+        ("rollout/response_length_correct", "length of correct sampled responses", "tokens (EOS included)", "length_correct"),
+        ("rollout/response_length_wrong", "length of wrong sampled responses", "tokens (EOS included)", "length_wrong"),
+        ("rollout/truncated_frac", "responses cut at --max-new-tokens", "fraction of the step's responses", "truncated"),
+        ("train/clip_frac_high", "clipped tokens with a positive advantage", "fraction of valid tokens", "clip_frac_high"),
+        ("train/clip_frac_low", "clipped tokens with a negative advantage", "fraction of valid tokens", "clip_frac_low"),
+    ):
+        plot(results, key, f"{task}: {what}{smoothed}", unit, f"{d}/{name}.png")
+    title = f"{task}: zero-variance groups, which get no gradient from a group baseline{smoothed}"
+    plot_zero_variance(results, title, f"{d}/zero_variance_groups.png")
 
 
 def run_rlhf(args: Args) -> tuple[list[dict], dict[float, list[dict]]]:
@@ -342,16 +411,6 @@ def memory_table() -> str:
     return "\n".join(lines)
 
 
-def zero_variance_fraction(results: dict) -> dict:
-    """Add rollout/zero_std_frac = all-correct + all-wrong group fractions, where both are logged."""
-    for runs in results.values():
-        for rows in runs:
-            for r in rows:
-                if "rollout/all_correct_frac" in r and "rollout/all_wrong_frac" in r:
-                    r["rollout/zero_std_frac"] = r["rollout/all_correct_frac"] + r["rollout/all_wrong_frac"]
-    return results
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     unknown = set(args.algorithms) - set(ALGORITHMS)
@@ -389,20 +448,13 @@ if __name__ == "__main__":
         print(rlhf_summary(rm_rows, runs))
         raise SystemExit(0)
     for task in args.tasks:
-        results = zero_variance_fraction(run_all(args, task))
+        results = run_all(args, task)
         d = os.path.join(args.docs_dir, task)
         os.makedirs(d, exist_ok=True)
-        plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_time.png")
-        responses = ("train/responses", "responses generated")
-        plot(results, "eval/accuracy", "greedy held-out accuracy", f"{d}/accuracy_vs_responses.png", *responses)
-        plot(results, "kl/ref", "KL to the reference (per token)", f"{d}/kl_ref.png")
-        plot(results, "rollout/response_length", "sampled response length (tokens)", f"{d}/response_length.png")
-        plot(results, "rollout/response_length_correct", "length of correct responses (tokens)", f"{d}/length_correct.png")
-        plot(results, "rollout/response_length_wrong", "length of wrong responses (tokens)", f"{d}/length_wrong.png")
-        plot(results, "rollout/truncated_frac", "fraction of responses truncated", f"{d}/truncated.png")
-        plot(results, "train/clip_frac_high", "clip fraction, positive advantages", f"{d}/clip_frac_high.png")
-        plot(results, "train/clip_frac_low", "clip fraction, negative advantages", f"{d}/clip_frac_low.png")
-        plot(results, "rollout/zero_std_frac", "fraction of zero-variance groups", f"{d}/zero_variance_groups.png")
+        for stale in ("accuracy_vs_time.png",):  # charts against wall-clock time are no longer drawn
+            if os.path.exists(f"{d}/{stale}"):
+                os.remove(f"{d}/{stale}")
+        plot_task(results, task, d)
         table = summary_table(results, TARGET[task])
         with open(f"{d}/results.md", "w") as f:
             f.write(f"Task {task}; seeds {args.seeds}; mean ± population std (min-max) over seeds.\n\n{table}\n")

@@ -184,7 +184,7 @@ if __name__ == "__main__":
     with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
         chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
         ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
-    (policy,) = dist.prepare_models(args, policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
+    (policy,) = dist.prepare_models(args, policy)  # torchrun: rank 0's weights everywhere, or FSDP2 (--fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run

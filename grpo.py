@@ -197,7 +197,7 @@ if __name__ == "__main__":
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
+    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # torchrun: rank 0's weights everywhere, or FSDP2
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)

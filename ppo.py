@@ -250,7 +250,7 @@ if __name__ == "__main__":
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # under torchrun: the same start, or FSDP2 (--fsdp)
+    policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # torchrun: rank 0's weights everywhere, or FSDP2
     critic = dist.prepare_models(args, Critic(args).to(device))[0]  # PPO: under torchrun, prepared like the policy
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]

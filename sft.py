@@ -6,13 +6,16 @@ of a check set correctly, which leaves room for RL to show. The check set is spl
 unordered pair of operands, like the held-out split) and never trained on here, so that its accuracy estimates the
 held-out accuracy; it is checked every few steps, so that where the warm-up stops does not hinge on the small
 floating-point differences between two machines. The RL scripts call `warm_up` the first time they need the built-in
-model and cache the result; you can also run it yourself:
+model and cache the result (with warm_up.json: the steps, the check and held-out accuracy, the seconds it took); you can
+also run it yourself:
 
     python sft.py --output-dir runs/sft
     torchrun --standalone --nproc-per-node 2 sft.py --output-dir runs/sft   # data parallel: each process takes half a batch
 """
 
 import copy
+import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ class Args:
     output_dir: str = "runs/sft"
     """where the model and tokenizer are saved"""
     task: str = "addition"
-    """the built-in task to warm up on: addition or scratchpad (`task_args` holds each one's settings)"""
+    """the built-in task to warm up on: addition or scratchpad (`warm_up_args` holds each one's settings)"""
     seed: int = 0
     """seed of the warm-up (fixed, so that every RL run starts from the same policy)"""
     device: str = "auto"
@@ -101,7 +104,7 @@ def build_tiny_model(tokenizer, max_positions: int = 64):
     return LlamaForCausalLM(config)
 
 
-def task_args(task: str) -> Args:
+def warm_up_args(task: str) -> Args:
     """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 21-31
     tokens long, so one step of the warm-up moves its accuracy less; it stops at about a third right, leaving room for
     RL, and its model needs positions for a prompt of 8 tokens and a response of up to 64."""
@@ -205,6 +208,9 @@ def warm_up(args: Args) -> dict:
         f"{metrics['eval/accuracy']:.1%} held out"
     )
     dist.save_model(model, tokenizer, args.output_dir)  # under torchrun: rank 0
+    if dist.is_main():  # beside the model: what the warm-up reached, and in how long
+        with open(os.path.join(args.output_dir, "warm_up.json"), "w") as f:
+            json.dump({k: v for k, v in metrics.items() if k != "samples"}, f, indent=1)
     return metrics
 
 

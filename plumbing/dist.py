@@ -15,7 +15,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as torch_dist
-from torch.distributed.tensor import DTensor
 
 _single_process = False  # inside `as_single_process()`: this rank works alone (rank 0 building a cache)
 
@@ -173,7 +172,7 @@ def average_gradients(optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if isinstance(p, DTensor):
+            if is_shard(p):
                 continue
             if p.grad is None:  # every rank must join every all_reduce
                 p.grad = torch.zeros_like(p)
@@ -181,13 +180,18 @@ def average_gradients(optimizer) -> None:
             p.grad /= world_size()
 
 
+def is_shard(x) -> bool:
+    """Whether x is an FSDP2 shard (a DTensor: torch.distributed.tensor, which is slow to import, is not imported here)."""
+    return hasattr(x, "device_mesh") and hasattr(x, "full_tensor")
+
+
 def full_tensor(x):
-    """A full plain tensor from x: an FSDP2 shard (DTensor) is gathered (every rank must call this), anything else is x."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
+    """A full plain tensor from x: an FSDP2 shard is gathered (every rank must call this), anything else is x itself."""
+    return x.full_tensor() if is_shard(x) else x
 
 
 def is_sharded(model) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_shard(p) for p in model.parameters())
 
 
 def save_model(model, tokenizer, path: str) -> None:

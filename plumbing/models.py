@@ -35,7 +35,7 @@ def builtin_model_dir(cache_dir: str, task: str = "addition") -> str:
     recipe_parts += [tasks.TASKS[task], tasks.split_by_key, tasks.addition_operands]
     recipe_parts += [common.tokenize_prompts, common.generate, common.evaluate]
     recipe_parts += [tasks.scratchpad_solution] if task == "scratchpad" else []
-    recipe = json.dumps(vars(sft.task_args(task)), sort_keys=True) + "".join(inspect.getsource(f) for f in recipe_parts)
+    recipe = json.dumps(vars(sft.warm_up_args(task)), sort_keys=True) + "".join(inspect.getsource(f) for f in recipe_parts)
     return os.path.join(cache_root(cache_dir), f"builtin-{task}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
 
 
@@ -68,7 +68,7 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
 
             print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
             with dist.as_single_process():
-                sft.warm_up(dataclasses.replace(sft.task_args(task), output_dir=path + ".partial"))
+                sft.warm_up(dataclasses.replace(sft.warm_up_args(task), output_dir=path + ".partial"))
             os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
         dist.wait_for_file(os.path.join(path, "config.json"))
     return path

@@ -47,12 +47,6 @@ def test_summary_table_statistics():
     assert a[3] == "3.8 (2.5-5.0)" and a[4] == "3.0 (2.0-4.0)" and a[5] == "2.5 (1.0-4.0)"
 
 
-def test_zero_variance_fraction():
-    results = benchmark.zero_variance_fraction({"a": [run([0.5, 0.9])], "ppo": [[{"eval/accuracy": 0.5}]]})
-    assert results["a"][0][1]["rollout/zero_std_frac"] == 0.75
-    assert "rollout/zero_std_frac" not in results["ppo"][0][0]
-
-
 def test_rlhf_summary_reports_the_best_gold_evaluation_and_the_proxy():
     """The per-response KL is kl/ref (a mean over tokens) times the mean response length; the summary names the best
     held-out evaluation and its step, and the proxy and gold of the first and last ten steps."""

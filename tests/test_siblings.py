@@ -4,7 +4,6 @@ formulas and by exact enumeration."""
 import itertools
 import math
 import os
-import subprocess
 
 import pytest
 import torch
@@ -19,16 +18,6 @@ import rloo
 from helpers import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.parametrize(
-    "script, budget", [("rloo.py", 50), ("dr_grpo.py", 40), ("gspo.py", 40), ("dapo.py", 140), ("ppo.py", 240)]
-)
-def test_diff_budget_against_grpo(script, budget):
-    """A sibling changes grpo.py only where its algorithm differs: lines starting with < or > in `diff grpo.py X`."""
-    out = subprocess.run(["diff", "grpo.py", script], cwd=ROOT, capture_output=True, text=True).stdout
-    changed = sum(line.startswith(("<", ">")) for line in out.splitlines())
-    assert 0 < changed <= budget, f"{script}: {changed} changed lines, budget {budget}"
 
 
 def ones(n, t=1):
@@ -264,13 +253,17 @@ def test_dynamic_sampling_keeps_exactly_the_groups_with_mixed_scores():
 
 @pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo])
 def test_micro_batches_leave_the_gradient_unchanged(module):
+    """One minibatch of 6 responses through a real model, whole or in micro-batches of 2 and 3, with beta = 0.04 (the k3
+    term, in the scripts that have it in their loss): each micro-batch returns its share of the minibatch's loss, so the
+    gradient is the same, up to the order in which fp32 adds the 6 responses' contributions."""
     model, input_ids, attention_mask, mask = tiny_model(batch=6, seed=1)
-    advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.0, max_new_tokens=8)
+    advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.04, max_new_tokens=8)
     # log pi - log pi_old per response: GSPO clips responses 0 (A > 0) and 5 (A < 0) as a whole, and not 1, 2 and 4
     offsets = torch.tensor([0.01, 1e-4, 1e-4, 0.01, 0.0, -0.01])[:, None]
     with torch.no_grad():
         old = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0] - offsets
-        _, m = module.compute_loss(old + offsets, old, None, advantages, mask, args)
+        ref = old - 0.1 * torch.arange(mask.shape[1]) / mask.shape[1]  # (B, T) the reference, away from the policy
+        _, m = module.compute_loss(old + offsets, old, ref, advantages, mask, args)
     clip_high = common.pool_metrics([m])["train/clip_frac_high"].item()
     if module is gspo:  # positive advantages both clipped (response 0) and not (responses 2 and 4)
         assert clip_high == pytest.approx(mask[0].sum().item() / mask.sum().item())
@@ -280,14 +273,15 @@ def test_micro_batches_leave_the_gradient_unchanged(module):
         model.zero_grad()
         for idx in torch.arange(6).split(micro):
             logprobs = common.completion_logprobs(model, input_ids[idx], attention_mask[idx], mask.shape[1], 1.0)[0]
-            loss, _ = module.compute_loss(logprobs, old[idx], None, advantages[idx], mask[idx], args, *normaliser.values())
+            loss, _ = module.compute_loss(logprobs, old[idx], ref[idx], advantages[idx], mask[idx], args, *normaliser.values())
             loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     whole = gradient(6)
     assert whole.abs().sum() > 0
+    # a reordered fp32 sum of n = 6 contributions differs by up to about n * eps of their scale; 8 times that, as margin
     for micro in (2, 3):
-        assert torch.allclose(gradient(micro), whole, atol=1e-7, rtol=1e-5)
+        assert torch.allclose(gradient(micro), whole, rtol=0, atol=8 * 6 * torch.finfo(torch.float32).eps * whole.abs().max())
 
 
 # --- numerics at masked positions ------------------------------------------------------------------------------------
