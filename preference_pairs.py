@@ -68,16 +68,14 @@ def cached_verifier_pairs(args, task: tasks.Task, load_policy: Callable, device:
     missing, start = not dist.on_every_rank(os.path.isdir(pairs_dir)), time.time()
     if missing and dist.is_main():
         policy, tokenizer = load_policy()
-        with (
-            torch.random.fork_rng(devices=[]),
-            dist.as_single_process(),
-        ):  # the same pairs whatever --seed is: they are cached for all
+        with torch.random.fork_rng(devices=[]), dist.as_single_process():  # the same pairs for every --seed: one cache
             torch.manual_seed(0)
             pairs, skipped = sample_verifier_pairs(policy, tokenizer, task, args, device)
-        pairs.save_to_disk(pairs_dir + ".partial")
-        with open(os.path.join(pairs_dir + ".partial", "skipped.json"), "w") as f:
+        partial = f"{pairs_dir}.partial-{os.getpid()}"
+        pairs.save_to_disk(partial)
+        with open(os.path.join(partial, "skipped.json"), "w") as f:
             json.dump(skipped, f)
-        os.replace(pairs_dir + ".partial", pairs_dir)  # only complete pairs ever sit at pairs_dir
+        models.move_into_place(partial, pairs_dir)  # only complete pairs ever sit at pairs_dir
     dist.wait_for_file(pairs_dir)
     with open(os.path.join(pairs_dir, "skipped.json")) as f:
         skipped = json.load(f)

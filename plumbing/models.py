@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 
 import torch
 
@@ -54,6 +55,17 @@ def check_model_path(name: str) -> None:
         raise SystemExit(f"--model-name-or-path {name!r}: no tokenizer in this folder (save it too, with save_pretrained)")
 
 
+def move_into_place(partial: str, path: str) -> None:
+    """Rename the finished folder `partial` to `path`, so that only complete work ever sits at `path`. When another process
+    got there first with the same work (two runs started at once on an empty cache), its copy is kept and ours dropped."""
+    try:
+        os.replace(partial, path)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+        shutil.rmtree(partial)
+
+
 def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str:
     """'builtin' means the tiny model after its supervised warm-up on the built-in `task` (sft.py), trained the first
     time it is needed and cached on disk: return its folder. Anything else is returned as it is, for from_pretrained."""
@@ -67,9 +79,10 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
             import sft
 
             print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
+            partial = f"{path}.partial-{os.getpid()}"  # this process's own: two runs may warm up at the same time
             with dist.as_single_process():
-                sft.warm_up(dataclasses.replace(sft.warm_up_args(task), output_dir=path + ".partial"))
-            os.replace(path + ".partial", path)  # only a finished warm-up ever sits at `path`
+                sft.warm_up(dataclasses.replace(sft.warm_up_args(task), output_dir=partial))
+            move_into_place(partial, path)
         dist.wait_for_file(os.path.join(path, "config.json"))
     return path
 

@@ -17,7 +17,7 @@ import common
 import tasks
 from plumbing import checks, run_state
 
-SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py"]
+SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
 SHARDED = ["grpo.py", "ppo.py"]
 
 
@@ -27,6 +27,8 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2) -> list[str]:
     shared += ["--eval-every", "2", "--max-new-tokens", "4"]
     if script == "dpo.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
+    if script == "reward_model.py":
+        return shared + ["--dataset", pairs, "--batch-size", "4", "--num-eval-pairs", "2", "--learning-rate", "1e-3"]
     if script == "ppo.py":
         return shared + ["--num-prompts", "8", "--num-minibatches", "1", "--num-epochs", "1"]
     return shared + ["--num-prompts", "4", "--group-size", "4", "--num-minibatches", "1"]
@@ -44,7 +46,7 @@ def runs(model_dir, tmp_path_factory):
         name = script[:-3]
         argv = flags(script, model_dir, str(pairs))
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
-        jobs[-1]["rollouts"] = "" if script == "dpo.py" else str(root / "rollouts" / name)
+        jobs[-1]["rollouts"] = "" if script in ("dpo.py", "reward_model.py") else str(root / "rollouts" / name)
         if script in SHARDED:
             fsdp = argv + ["--fsdp", "--output-dir", str(root / "fsdp" / name)]
             jobs.append({"script": script, "argv": fsdp, "rollouts": jobs[-1]["rollouts"]})
@@ -83,7 +85,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, mode
     name = script[:-3]
     monkeypatch.setattr(tasks.Task, "reward", text_reward)
     monkeypatch.setattr(run_state.Checkpoint, "save", keep_every_checkpoint())
-    if script != "dpo.py":
+    if script not in ("dpo.py", "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
     run_here(monkeypatch, script, *flags(script, model_dir, str(runs / "pairs.jsonl")), "--output-dir", str(one))
@@ -93,7 +95,8 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, mode
     assert max_difference(trained(runs / "ddp" / name / "checkpoint.pt.1"), trained(one / "checkpoint.pt.2")) > 1e-5
     ranks, single = rows(runs / "ddp" / name), rows(one)
     assert [r["step"] for r in ranks] == [0, 1, 2]  # one metrics.jsonl, written once per step
-    for key in ("eval/accuracy", "loss/policy" if script != "dpo.py" else "loss/dpo"):  # pooled over ranks
+    keys = {"dpo.py": ("eval/accuracy", "loss/dpo"), "reward_model.py": ("eval/pairwise_accuracy", "loss/rm")}
+    for key in keys.get(script, ("eval/accuracy", "loss/policy")):  # pooled over ranks
         assert ranks[-1][key] == pytest.approx(single[-1][key], abs=1e-5), key
 
 

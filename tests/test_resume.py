@@ -31,17 +31,19 @@ def interrupt_after(step):
     return log_then_interrupt
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py", "dpo.py", "reward_model.py"])
 def test_interrupted_then_resumed_equals_uninterrupted(model_dir, tmp_path, monkeypatch, script):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
     have come) and --resume: every logged metric but time/*, the samples and the final weights agree. grpo.py stands for
-    its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too, dpo.py walks pairs."""
+    its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too, dpo.py and
+    reward_model.py walk pairs."""
     monkeypatch.setattr(tasks.Task, "reward", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4"]
-    if script == "dpo.py":
+    if script in ("dpo.py", "reward_model.py"):
         pairs = tmp_path / "pairs.jsonl"
         pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(6)))
         flags += ["--dataset", str(pairs), "--batch-size", "4", "--total-steps", "3", "--eval-every", "2", "--device", "cpu"]
+        flags += ["--num-eval-pairs", "2"] if script == "reward_model.py" else []
     else:
         flags += [*SMALL, "--total-steps", "3", "--eval-every", "2", "--num-prompts", "2", "--group-size", "4"]
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "whole"))

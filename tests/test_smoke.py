@@ -4,9 +4,12 @@ again)."""
 
 import json
 import os
+import re
 import runpy
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -237,3 +240,34 @@ def test_bad_input_fails_fast_through_the_command_line():
     result = run("grpo.py", "--group-size", "1")  # fails before the (possibly uncached) built-in model is loaded
     assert result.returncode != 0 and "--group-size 1: needs at least 2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_docs_own_task_runs_from_the_command_line(model_dir, tmp_path):
+    """The task of docs/your-model-and-data.md, pasted after the imports of a copy of grpo.py as the page says, runs from
+    the command line with the script's default number of steps (nothing in the script knows the task's name); Ctrl-C
+    after its first step saves a checkpoint and exits with status 0."""
+    with open(os.path.join(ROOT, "docs", "your-model-and-data.md")) as f:
+        example = re.search(r"```python\n(import tasks\n.*?)```", f.read(), re.DOTALL).group(1)
+    with open(os.path.join(ROOT, "grpo.py")) as f:
+        script = f.read()
+    after_imports = script.index("\n\n\n", script.index("from plumbing import"))
+    (tmp_path / "my_grpo.py").write_text(script[:after_imports] + "\n\n\n" + example + script[after_imports:])
+    flags = ["--task", "product", "--model-name-or-path", model_dir, "--num-prompts", "4", "--group-size", "4"]
+    flags += ["--max-new-tokens", "6", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": ROOT, "TQDM_DISABLE": "1"}
+    command = [sys.executable, str(tmp_path / "my_grpo.py"), *flags]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # the evaluation at step 0, and step 1
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, "no step logged in time"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and "saved the checkpoint of step" in err, err[-3000:]
+    logged = rows(tmp_path / "run")
+    assert logged[0]["step"] == 0 and logged[-1]["step"] >= 1 and "rollout/reward_mean" in logged[-1]
+    with open(tmp_path / "run" / "samples.jsonl") as f:
+        first = json.loads(f.readline())
+    a, b = first["prompt"].rstrip("=").split("*")  # a held-out problem of the product task: "12*34=" answered "408"
+    assert len(a) == len(b) == 2 and first["answer"] == str(int(a) * int(b))

@@ -1,0 +1,93 @@
+"""The project's own rules, checked: each sibling's diff against grpo.py stays within its budget, common.py stays the
+small core a learner reads (at most 450 lines), product code holds no test hook, and the README is a front door (at
+most 220 lines, every relative link resolves, at least five pages of docs/ linked, every page of docs/ reachable)."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRODUCT = sorted(  # every Python file of the project but the tests (and hidden folders: virtual environments)
+    os.path.join(folder, name)
+    for folder, dirs, names in os.walk(ROOT)
+    if not any(
+        part not in (".", "") and part.startswith(".") or part in ("tests", "runs", "__pycache__")
+        for part in os.path.relpath(folder, ROOT).split(os.sep)
+    )
+    for name in names
+    if name.endswith(".py")
+)
+
+
+@pytest.mark.parametrize(
+    "script, budget", [("rloo.py", 50), ("dr_grpo.py", 40), ("gspo.py", 40), ("dapo.py", 140), ("ppo.py", 240)]
+)
+def test_diff_budget_against_grpo(script, budget):
+    """A sibling changes grpo.py only where its algorithm differs: lines starting with < or > in `diff grpo.py X`."""
+    out = subprocess.run(["diff", "grpo.py", script], cwd=ROOT, capture_output=True, text=True).stdout
+    changed = sum(line.startswith(("<", ">")) for line in out.splitlines())
+    assert 0 < changed <= budget, f"{script}: {changed} changed lines, budget {budget}"
+
+
+def test_common_is_the_small_core():
+    with open(os.path.join(ROOT, "common.py")) as f:
+        assert len(f.read().splitlines()) <= 450
+
+
+def test_product_code_reads_no_variable_that_only_tests_set():
+    """Environment variables are how a test hook would switch on behaviour in product code. The product reads only
+    torchrun's, the cache folder's and the Hugging Face hub's (and the proxies it must not probe through)."""
+    allowed = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "TINY_RLHF_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "TQDM_DISABLE"}
+    allowed |= {f"{name}_PROXY" for name in ("HTTPS", "HTTP", "ALL")} | {f"{name}_proxy" for name in ("https", "http", "all")}
+    assert len(PRODUCT) >= 15 and os.path.join(ROOT, "plumbing", "dist.py") in PRODUCT
+    read = set()
+    for path in PRODUCT:
+        with open(path) as f:
+            source = f.read()
+        for line in source.splitlines():
+            if "environ" in line or "getenv" in line:  # environ.get("X"), environ["X"], {**environ, "X": ...}, for v in (...)
+                read |= set(re.findall(r"(?:environ(?:\.get)?|getenv)[\[(]\s*[\"'](\w+)[\"']", line))
+                read |= set(re.findall(r"[\"'](\w+)[\"']\s*:", line))
+                for names in re.findall(r"for \w+ in \(([^)]*)\)", line):
+                    read |= set(re.findall(r"[\"'](\w+)[\"']", names))
+    assert read and read <= allowed, read - allowed
+
+
+def readme() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of markdown links and images that are not URLs or anchors within the page, without their #anchor."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t.split("#")[0] for t in targets if not re.match(r"[a-z]+://|#|mailto:", t)]
+
+
+def test_the_readme_is_a_front_door():
+    text = readme()
+    assert len(text.splitlines()) <= 220
+    links = relative_links(text)
+    missing = [link for link in links if not os.path.exists(os.path.join(ROOT, link))]
+    assert not missing, missing
+    pages = {link for link in links if re.fullmatch(r"docs/[\w-]+\.md", link)}
+    assert len(pages) >= 5, pages
+
+
+def test_every_docs_page_is_reachable_and_its_links_resolve():
+    """Each page of docs/ is linked from the README (or from a page that is), and every relative link in it resolves."""
+    reachable, todo = set(), ["README.md"]
+    while todo:
+        page = todo.pop()
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        for link in relative_links(text):
+            target = os.path.normpath(os.path.join(os.path.dirname(page), link))
+            assert os.path.exists(os.path.join(ROOT, target)), f"{page} links to {link}, which does not exist"
+            if target.endswith(".md") and target not in reachable:
+                reachable.add(target)
+                todo.append(target)
+    pages = {os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")}
+    assert pages <= reachable, pages - reachable
