@@ -63,7 +63,7 @@ class Args:
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
-    them (DDP); see "More GPUs" in the README"""
+    them (data parallel); see docs/more-gpus.md"""
 
     # Algorithm specific arguments
     total_steps: int = 120
@@ -162,7 +162,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
-    common.seed_everything(args.seed + dist.rank())
+    common.seed_everything(args.seed + dist.rank())  # under torchrun each process draws its own numbers
     task = tasks.make_task(args.task)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     # a user's data set is read before any model is loaded

@@ -68,7 +68,7 @@ class Args:
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
-    them (DDP); see "More GPUs" in the README"""
+    them (data parallel); see docs/more-gpus.md"""
     reward_model: str = ""
     """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
     accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""

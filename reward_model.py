@@ -199,7 +199,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
-    common.seed_everything(args.seed + dist.rank())
+    common.seed_everything(args.seed + dist.rank())  # under torchrun each process draws its own numbers
     task = tasks.make_task(args.task)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     # a user's data set is read before any model is loaded
