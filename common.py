@@ -70,13 +70,14 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
             out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()  # (B, V)
         probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
-        if not torch.isfinite(logits).all() or (probs is not None and not torch.isfinite(probs).all()):
+        finite = torch.isfinite(logits).all() and (probs is None or torch.isfinite(probs).all())
+        if not dist.true_on_every_rank(finite):  # under torchrun every rank stops here, none waits for another
             raise SystemExit("non-finite logits while sampling: the model diverged, or --temperature is too small")
         next_token = torch.multinomial(probs, num_samples=1).squeeze(1) if temperature > 0 else logits.argmax(dim=-1)
         next_token = next_token.masked_fill(done, pad_token_id)  # (B,)
         tokens.append(next_token)
         done = done | torch.isin(next_token, eos_ids)
-        if dist.on_every_rank(done.all()):  # under torchrun the ranks stop together (FSDP2 gathers weights every pass)
+        if dist.true_on_every_rank(done.all()):  # under torchrun the ranks stop together (FSDP2 gathers weights every pass)
             break
         input_ids = next_token[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=1)
@@ -150,7 +151,7 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, t
             position_ids=position_ids,
             use_cache=False,
             logits_to_keep=completion_len + 1 if own_logits else 1,
-            output_hidden_states=-1,  # only the last one: the final hidden states, after the model's last norm
+            output_hidden_states=-1,  # the final hidden states (after the last norm) only, where the model can select
         )
     if own_logits:  # a model that transforms its logits: its own (B, T + 1, V), the last position predicting nothing
         logprobs, entropy = logprobs_and_entropy(out.logits[:, :-1], targets)
@@ -186,7 +187,7 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     last real token (the EOS of a finished response, the last token of a truncated one). input_ids, attention_mask:
     (B, L) with the prompt left-padded and the completion right-padded, positions as in `generate`. We pick that token
     from the attention mask ourselves: the model's own pooling looks for pad_token_id, which would skip an EOS that
-    doubles as the pad token."""
+    doubles as the pad token. (A reward model is never sharded with FSDP2, so its body may be called on its own.)"""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     backbone = getattr(model, model.base_model_prefix)
     with autocast(input_ids.device):
@@ -281,6 +282,6 @@ def pool_metrics(rows: list[dict], min_max: tuple[str, ...] = ()) -> dict:
 
 
 def check_finite(value: torch.Tensor, what: str, step: int) -> None:
-    """Stop the run, saying where, instead of training on NaN or inf."""
-    if not torch.isfinite(dist.full_tensor(value)).all():
+    """Stop the run, saying where, instead of training on NaN or inf (under torchrun: every rank, when any rank has one)."""
+    if not dist.true_on_every_rank(torch.isfinite(dist.full_tensor(value)).all()):
         raise SystemExit(f"non-finite {what} at step {step}: stopping (try a lower --learning-rate)")

@@ -269,7 +269,7 @@ if __name__ == "__main__":
             all_rewards.append(rewards)
             all_gold.append(gold)
             all_lengths.append(mask.sum(dim=1))
-            if dist.on_every_rank(sum(len(r[0]) for r in rounds) >= args.batch_size):  # under torchrun: on every rank
+            if dist.true_on_every_rank(sum(len(r[0]) for r in rounds) >= args.batch_size):  # under torchrun: on every rank
                 break
         else:
             num_kept = sum(len(r[0]) for r in rounds) // args.group_size

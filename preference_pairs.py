@@ -65,10 +65,10 @@ def cached_verifier_pairs(args, task: tasks.Task, load_policy: Callable, device:
     key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
     pairs_dir = os.path.join(models.cache_root(args.cache_dir), f"dpo-pairs-{key}")
     # under torchrun rank 0 builds them (alone) while the others wait: every rank must take the same decision
-    missing, start = not dist.on_every_rank(os.path.isdir(pairs_dir)), time.time()
+    missing, start = not dist.true_on_every_rank(os.path.isdir(pairs_dir)), time.time()
     if missing and dist.is_main():
-        policy, tokenizer = load_policy()
         with torch.random.fork_rng(devices=[]), dist.as_single_process():  # the same pairs for every --seed: one cache
+            policy, tokenizer = load_policy()  # (a warm-up it may start runs on this rank alone, like the pairs)
             torch.manual_seed(0)
             pairs, skipped = sample_verifier_pairs(policy, tokenizer, task, args, device)
         partial = f"{pairs_dir}.partial-{os.getpid()}"

@@ -275,7 +275,7 @@ if __name__ == "__main__":
             {
                 "rollout/reward_mean": rewards.mean(),
                 "rollout/gold_accuracy": gold.mean(),
-                "kl/ref": (old_logprobs - ref_logprobs)[mask] if args.beta > 0 else 0.0,  # per token: pooled over ranks
+                "kl/ref": (old_logprobs - ref_logprobs)[mask] if args.beta > 0 else 0.0,  # RLOO: k1 per token, in the reward
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),

@@ -163,7 +163,7 @@ def warm_up(args: Args) -> dict:
     task = tasks.make_task(args.task)
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, args.max_positions).to(device)
-    dist.prepare_models(args, model)  # under torchrun: rank 0's initial weights on every rank
+    (model,) = dist.prepare_models(args, model)  # under torchrun: rank 0's initial weights on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     train_set, check_set = tasks.split_by_key(task.train, args.num_check, tasks.addition_operands, seed=args.seed)

@@ -100,7 +100,7 @@ def global_count_per_rank(count: torch.Tensor) -> torch.Tensor:
     return mean_over_ranks(count).clamp(min=1 / world_size())
 
 
-def on_every_rank(flag: bool) -> bool:
+def true_on_every_rank(flag: bool) -> bool:
     """Whether flag holds on every rank (flag itself without torchrun): for decisions all ranks must take together."""
     return bool(all_reduce(torch.tensor(int(flag)), "min")) if world_size() > 1 else bool(flag)
 
@@ -139,7 +139,10 @@ def prepare_models(args, *models):
     that the ranks start equal; `average_gradients` keeps them equal), and frozen ones (the reference) stay as loaded.
     With --fsdp every model is sharded with FSDP2: each transformer layer (the model's `_no_split_modules`) is one unit,
     the rest of the model (embeddings, final norm, output layer) the root unit; FSDP2 gathers a unit's weights in its
-    forward pass, so the model must be called as `model(...)`, as common.py does. Returns the models (the same objects)."""
+    forward pass, so the model must be called as `model(...)`, as common.py does; the root unit stays gathered from its
+    forward to its backward, so that common.completion_logprobs can run the output layer after the forward has returned.
+    FSDP2 leaves the weights as they were loaded (pretrained or zero-initialised, the same on every rank). Returns the
+    models (the same objects)."""
     if world_size() == 1:
         return models
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,7 +161,7 @@ def prepare_models(args, *models):
         for module in model.modules():
             if type(module).__name__ in layer_types:
                 fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the output layer runs after the forward returns
     # our outputs (log-probs, values) are never changed in place, which FSDP2 warns about for views
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return models
@@ -172,7 +175,7 @@ def average_gradients(optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if is_shard(p):
+            if is_dtensor(p):
                 continue
             if p.grad is None:  # every rank must join every all_reduce
                 p.grad = torch.zeros_like(p)
@@ -180,24 +183,25 @@ def average_gradients(optimizer) -> None:
             p.grad /= world_size()
 
 
-def is_shard(x) -> bool:
-    """Whether x is an FSDP2 shard (a DTensor: torch.distributed.tensor, which is slow to import, is not imported here)."""
+def is_dtensor(x) -> bool:
+    """Whether x is an FSDP2 shard, a DTensor (torch.distributed.tensor, slow to import, is not imported here)."""
     return hasattr(x, "device_mesh") and hasattr(x, "full_tensor")
 
 
 def full_tensor(x):
     """A full plain tensor from x: an FSDP2 shard is gathered (every rank must call this), anything else is x itself."""
-    return x.full_tensor() if is_shard(x) else x
+    return x.full_tensor() if is_dtensor(x) else x
 
 
-def is_sharded(model) -> bool:
-    return any(is_shard(p) for p in model.parameters())
+def uses_fsdp(model) -> bool:
+    """Whether the model's weights are sharded with FSDP2 (--fsdp under torchrun)."""
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def save_model(model, tokenizer, path: str) -> None:
     """save_pretrained of the model and its tokenizer, by rank 0; under FSDP2 the shards are gathered first, so that
     the folder loads with from_pretrained exactly like a single process's."""
-    state = {k: full_tensor(v) for k, v in model.state_dict().items()} if is_sharded(model) else None
+    state = {k: full_tensor(v) for k, v in model.state_dict().items()} if uses_fsdp(model) else None
     if is_main():
         model.save_pretrained(path, state_dict=state)
         tokenizer.save_pretrained(path)

@@ -74,13 +74,13 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
         return name
     path = builtin_model_dir(cache_dir, task)
     # under torchrun rank 0 warms up (alone) while the others wait: every rank must take the same decision
-    if not dist.on_every_rank(os.path.isfile(os.path.join(path, "config.json"))):
+    if not dist.true_on_every_rank(os.path.isfile(os.path.join(path, "config.json"))):
         if dist.is_main():
             import sft
 
             print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
             partial = f"{path}.partial-{os.getpid()}"  # this process's own: two runs may warm up at the same time
-            with dist.as_single_process():
+            with dist.as_single_process(), torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
                 sft.warm_up(dataclasses.replace(sft.warm_up_args(task), output_dir=partial))
             move_into_place(partial, path)
         dist.wait_for_file(os.path.join(path, "config.json"))

@@ -4,6 +4,7 @@ distributed_jobs.py); each comparison then runs the script once more, in this pr
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from test_smoke import ROOT, rows, run_here
 
 import common
 import tasks
-from plumbing import checks, run_state
+from plumbing import checks, models, run_state
 
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
 SHARDED = ["grpo.py", "ppo.py"]
@@ -58,6 +59,21 @@ def runs(model_dir, tmp_path_factory):
         jobs.append({"script": "ppo.py", "argv": argv, "rollouts": ""})
     sft_argv = ["--device", "cpu", "--max-steps", "2", "--num-check", "100", "--output-dir", str(root / "sft")]
     jobs.append({"script": "sft.py", "argv": sft_argv, "rollouts": ""})
+    # reward_model.py on the built-in model with an empty pairs cache: rank 0 loads the policy and builds the pairs alone
+    shutil.copytree(model_dir, models.builtin_model_dir(str(root / "cache"), "addition"))  # the warm-up, already cached
+    rm_argv = [
+        "--model-name-or-path",
+        "builtin",
+        "--cache-dir",
+        str(root / "cache"),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "4",
+    ]
+    rm_argv += ["--num-pair-prompts", "64", "--group-size", "4", "--batch-size", "2", "--num-eval-pairs", "2"]
+    rm_argv += ["--total-steps", "1", "--output-dir", str(root / "rm_builtin")]
+    jobs.append({"script": "reward_model.py", "argv": rm_argv, "rollouts": ""})
     (root / "jobs.json").write_text(json.dumps(jobs))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [os.path.join(ROOT, "tests", "distributed_jobs.py"), str(root / "jobs.json")]
@@ -146,3 +162,10 @@ def test_num_prompts_must_split_over_the_processes(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(SystemExit, match="--fsdp: shards the model over the processes of torchrun"):
         grpo.check_args(grpo.Args(fsdp=True))
+
+
+def test_reward_model_builds_the_built_in_pairs_under_torchrun(runs):
+    """Rank 0 loads the built-in policy and samples the pairs alone while the other rank waits for the cache: nothing in
+    that build may wait for the other rank (it would never come)."""
+    assert [r["step"] for r in rows(runs / "rm_builtin")] == [0, 1]
+    assert any(name.startswith("dpo-pairs-") for name in os.listdir(runs / "cache"))
