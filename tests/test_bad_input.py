@@ -41,7 +41,7 @@ def refused(module, message, **overrides):
         ("max_grad_norm", 0.0, "must be positive"),
         ("learning_rate", INF, "must be positive"),
         ("temperature", 0.0, "must be positive"),
-        ("total_steps", -1, "must be 0 (the script's number for the task) or positive"),
+        ("total_steps", -1, "must be 0 (TOTAL_STEPS, half of it on the scratchpad task) or positive"),
         ("max_new_tokens", -3, "must be 0 (the task's) or positive"),
         ("num_prompts", 0, "must be at least 1"),
         ("micro_batch_size", -8, "must be 0 (the whole minibatch) or positive"),
