@@ -32,12 +32,13 @@ class MetricsLogger:
         kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
         dist.barrier()  # every rank has read the files before rank 0 rewrites them
         self.file, self.samples = io.StringIO(), io.StringIO()  # other ranks than 0 write nothing
-        if dist.is_main():
+        if dist.is_main():  # the kept rows to a side file renamed over the old one: a kill meanwhile loses nothing
             os.makedirs(output_dir, exist_ok=True)
-            self.file, self.samples = open(self.path, "w"), open(samples_path, "w")
-        for file, path in ((self.file, self.path), (self.samples, samples_path)):
-            file.writelines(json.dumps(row) + "\n" for row in kept[path])
-            file.flush()
+            for path in (self.path, samples_path):
+                with open(path + ".partial", "w") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in kept[path])
+                os.replace(path + ".partial", path)
+            self.file, self.samples = open(self.path, "a"), open(samples_path, "a")
         rows = kept[self.path]
         self.last = rows[-1] if rows else {}
         evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in rows]
@@ -97,7 +98,7 @@ class Checkpoint:
 
         self.path = os.path.join(args.output_dir, "checkpoint.pt")
         self.save_every, self.optimizer, self.rng, self.get_extra = args.save_every, optimizer, rng, extra
-        self.step, self.resumed_step, self.extra, self.interrupted = 0, None, {}, False
+        self.step, self.resumed_step, self.extra, self.interrupted, self.ctrl_c = 0, None, {}, False, 0
         if args.resume:
             self.load()
         self.handlers = {}
@@ -105,10 +106,16 @@ class Checkpoint:
             self.handlers = {s: signal.signal(s, self.interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def interrupt(self, signum, frame) -> None:
-        if self.interrupted:  # a second Ctrl-C: stop now, without a checkpoint of this step
+        """The first SIGINT or SIGTERM lets the step finish, then saves and exits; a second Ctrl-C (SIGINT) stops at once.
+        A repeated SIGTERM does not: a scheduler that signals every process and torchrun forwarding the signal send two."""
+        import signal
+
+        self.ctrl_c += signum == signal.SIGINT
+        if self.ctrl_c >= 2:  # a second Ctrl-C: stop now, without a checkpoint of this step
             raise KeyboardInterrupt
+        if not self.interrupted:
+            print("\ninterrupted: the step in progress finishes, then a checkpoint is saved", file=sys.stderr, flush=True)
         self.interrupted = True
-        print("\ninterrupted: the step in progress finishes, then a checkpoint is saved", file=sys.stderr, flush=True)
 
     def trained(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -123,6 +130,7 @@ class Checkpoint:
         cpu = lambda v: dist.full_tensor(v).cpu() if torch.is_tensor(v) else v  # noqa: E731 (FSDP2: one gathered tensor at a time)
         optimizer["state"] = {i: {k: cpu(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         state = {
+            "world_size": dist.world_size(),
             "step": step,
             "trained": [dist.full_tensor(p.detach()).cpu() for p in self.trained()],
             "optimizer": optimizer,
@@ -141,13 +149,10 @@ class Checkpoint:
         """value itself in one process; under torchrun the list of every rank's value."""
         return value if dist.world_size() == 1 else dist.gather_objects(value)
 
-    def this_ranks(self, value):
-        """This rank's part of a value saved by `per_rank`."""
-        if dist.world_size() == 1:
-            return value
-        if not isinstance(value, list) or len(value) != dist.world_size():
-            raise SystemExit(f"--resume: {self.path} was saved by another number of processes than this run's")
-        return value[dist.rank()]
+    @staticmethod
+    def this_ranks(value):
+        """This rank's part of a value saved by `per_rank` (the number of processes is checked first, in `load`)."""
+        return value if dist.world_size() == 1 else value[dist.rank()]
 
     @staticmethod
     def shaped_like(saved: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -162,6 +167,11 @@ class Checkpoint:
         state = torch.load(
             self.path, map_location="cpu", weights_only=False
         )  # our own file: it holds Python RNG state, not only tensors
+        if state.get("world_size", 1) != dist.world_size():
+            raise SystemExit(
+                f"--resume: {self.path} was saved by {state.get('world_size', 1)} processes, this run has "
+                f"{dist.world_size()}: resume with the same --nproc-per-node"
+            )
         trained = self.trained()
         if [p.shape for p in trained] != [p.shape for p in state["trained"]]:
             raise SystemExit(f"--resume: {self.path} holds other weights than this run's model (another script or model?)")

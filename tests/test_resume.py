@@ -75,3 +75,65 @@ def test_resume_needs_a_checkpoint(tmp_path):
         grpo.check_args(grpo.Args(resume=True, output_dir=str(tmp_path)))
     with pytest.raises(SystemExit, match="--save-every -1: must be 0"):
         grpo.check_args(grpo.Args(save_every=-1, output_dir=str(tmp_path)))
+
+
+def tiny_checkpoint(tmp_path, resume=False):
+    """A Checkpoint of a one-parameter model, as a script makes one (args with output_dir, save_every, resume)."""
+    import random
+    from types import SimpleNamespace
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    args = SimpleNamespace(output_dir=str(tmp_path), save_every=0, resume=resume)
+    return weight, run_state.Checkpoint(args, optimizer, random.Random(0))
+
+
+def test_a_checkpoint_of_two_processes_is_refused_in_one_before_any_weight_is_loaded(tmp_path):
+    """What a run of 2 processes saves (the per-rank random states are lists), resumed in one process: one line naming
+    --resume and both counts, and the weights untouched (rather than a TypeError after loading them)."""
+    weight, checkpoint = tiny_checkpoint(tmp_path)
+    checkpoint.save(1)
+    checkpoint.close()
+    state = torch.load(checkpoint.path, weights_only=False)
+    state.update(world_size=2, torch_rng=[state["torch_rng"]] * 2, cuda_rng=[state["cuda_rng"]] * 2)
+    state["trained"] = [torch.zeros(3)]
+    torch.save(state, checkpoint.path)
+    with pytest.raises(SystemExit) as info:
+        tiny_checkpoint(tmp_path, resume=True)
+    assert str(info.value.code).startswith(f"--resume: {checkpoint.path} was saved by 2 processes, this run has 1")
+
+
+def test_only_a_second_ctrl_c_stops_at_once(tmp_path):
+    """The first signal lets the step finish; SIGTERM twice (a scheduler and torchrun's forwarding) still saves, while a
+    second Ctrl-C stops at once."""
+    _, checkpoint = tiny_checkpoint(tmp_path)
+    try:
+        checkpoint.interrupt(signal.SIGTERM, None)
+        checkpoint.interrupt(signal.SIGTERM, None)
+    except KeyboardInterrupt:
+        pytest.fail("a repeated SIGTERM stopped the run without its checkpoint")
+    assert checkpoint.interrupted
+    checkpoint.interrupt(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.interrupt(signal.SIGINT, None)
+    checkpoint.close()
+
+
+def test_a_resume_killed_while_rewriting_the_metrics_loses_no_row(tmp_path, monkeypatch):
+    """On --resume the logger rewrites metrics.jsonl without the rows after the checkpoint; if the process dies half way
+    through, the old file must still be whole."""
+    rows = [{"step": s, "time/elapsed": float(s)} for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls, dumps = [], json.dumps
+
+    def dies_on_the_second_row(obj, *args, **kwargs):
+        calls.append(obj)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, half way through the rewrite
+        return dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", dies_on_the_second_row)
+    with pytest.raises(KeyboardInterrupt):
+        run_state.MetricsLogger(str(tmp_path), resume_step=2)
+    monkeypatch.undo()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows
