@@ -222,9 +222,7 @@ if __name__ == "__main__":
         f"must be at most --max-new-tokens ({args.max_new_tokens})",
         lambda v: v <= args.max_new_tokens,
     )
-    checks.flag(
-        args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
-    )
+    checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
     policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:

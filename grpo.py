@@ -185,9 +185,7 @@ if __name__ == "__main__":
     task = tasks.make_task(args.task, args.dataset, args.num_eval)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
-    checks.flag(
-        args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train)
-    )
+    checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
     policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:

@@ -63,6 +63,17 @@ def distributed_flags(args, *global_counts: str) -> None:
             )
 
 
+def split_sizes(args, task) -> None:
+    """--num-prompts fits in the training split, and the held-out split gives every process at least one prompt (with
+    --dataset it can be smaller than --num-eval: duplicate prompts count once, and at most half the rows are held out)."""
+    flag(args, "num_prompts", f"at most the {len(task.train)} prompts of the training split", lambda v: v <= len(task.train))
+    if len(task.eval) < dist.world_size():
+        raise SystemExit(
+            f"--num-eval {args.num_eval}: the held-out split has {len(task.eval)} row(s), fewer than the "
+            f"{dist.world_size()} processes of this torchrun (each evaluates its share): give more distinct prompts"
+        )
+
+
 def data_flags(args) -> None:
     """--dataset must name something that can exist, and --chat-template a mode (and 'on', a tokenizer that has one)."""
     if getattr(args, "dataset", "") and not os.path.exists(args.dataset) and not models.looks_like_hub_id(args.dataset):

@@ -1,6 +1,7 @@
 """Bad input fails fast: one line that names the flag (or the folder) and what is allowed, a non-zero exit status and
 no traceback, before any model or data is loaded. Nothing here touches the network: the hub is forced offline."""
 
+import json
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import gspo
 import ppo
 import rloo
 import sft
+import tasks
 from plumbing import checks, hub, models
 
 RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo]
@@ -270,3 +272,17 @@ def test_the_built_in_model_is_refused_on_a_task_it_was_not_warmed_up_on(module)
     refused(
         module, "--task gsm8k: the built-in model knows only addition, scratchpad; pass --model-name-or-path", task="gsm8k"
     )
+
+
+def test_a_held_out_split_smaller_than_the_processes_is_refused(monkeypatch, tmp_path):
+    """--num-eval 4 asks for 4 held-out prompts, but of 3 rows (2 distinct prompts) at most half, 1 row, is held out: under
+    2 processes one would evaluate nothing (and under FSDP2 the other would wait for it forever)."""
+    data = tmp_path / "few.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {i} plus 3?", "answer": i + 3}) for i in (1, 2, 2)))
+    task = tasks.make_task("gsm8k", str(data), num_eval=4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        checks.split_sizes(grpo.Args(num_prompts=1, num_eval=4, task="gsm8k"), task)
+    assert str(info.value.code).startswith("--num-eval 4: the held-out split has 1 row(s), fewer than the 2 processes")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    checks.split_sizes(grpo.Args(num_prompts=1, num_eval=4, task="gsm8k"), task)
