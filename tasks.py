@@ -235,10 +235,16 @@ def has_chat_template(path: str) -> bool | None:
 def apply_chat_template(task: Task, tokenizer, mode: str) -> Task:
     """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
     conversation, the task's answer format as the system message (INSTRUCTIONS), the prompt as the user turn, then the
-    generation prompt; with 'none' (or 'auto' and no template, as for base models) the prompts stay plain text. A
-    template that refuses a system role gets the instruction at the head of the user turn instead."""
+    generation prompt; with 'none' (or 'auto' and no template, as for base models) the prompts stay plain text, behind
+    the tokenizer's BOS if its own encoding starts with one (the model was trained so; prompts are tokenized without
+    special tokens, since a chat template writes them itself). A template that refuses a system role gets the
+    instruction at the head of the user turn instead."""
     if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
-        return task
+        bos = tokenizer.bos_token if tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id] else None
+        if bos is None:  # (the built-in tokenizer has no BOS)
+            return task
+        with_bos = lambda ds: ds.map(lambda row: {"prompt": bos + row["prompt"]})  # noqa: E731
+        return dataclasses.replace(task, train=with_bos(task.train), eval=with_bos(task.eval))
     if not tokenizer.chat_template:
         raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
     from jinja2.exceptions import TemplateError

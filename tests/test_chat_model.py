@@ -10,6 +10,7 @@ import torch
 from test_smoke import SMALL, coin_flip_rewards, rows, run_here
 
 import common
+import sft
 import tasks
 from plumbing import models
 
@@ -168,3 +169,24 @@ def test_bad_model_folders_and_data_are_refused_in_one_line(chat_model_dir, data
         with pytest.raises(SystemExit, match="--chat-template"):
             grpo.check_args(grpo.Args(model_name_or_path=model, chat_template=mode, output_dir=str(tmp_path / "out")))
     grpo.check_args(grpo.Args(model_name_or_path=chat_model_dir, chat_template="on", output_dir=str(tmp_path / "out")))
+
+
+def test_plain_prompts_get_the_bos_the_tokenizer_adds():
+    """A base model's tokenizer that starts every encoding with BOS (as Llama's does) was trained with it: a plain prompt
+    (no chat template, or --chat-template none) is fed behind it. The built-in tokenizer has no BOS: its prompts stay
+    as they are."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", *"0123456789+="])}
+    raw = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    task = tasks.make_task("addition")
+    plain = tasks.apply_chat_template(task, tokenizer, "auto")
+    assert plain.eval[0]["prompt"] == "<s>" + task.eval[0]["prompt"] and not plain.chat
+    ids, _ = common.tokenize_prompts(tokenizer, [plain.eval[0]["prompt"]], torch.device("cpu"))
+    assert ids[0, 0].item() == 1 and ids[0, 1].item() == vocab[task.eval[0]["prompt"][0]]
+    assert tasks.apply_chat_template(task, sft.build_tokenizer(), "auto").eval[0]["prompt"] == task.eval[0]["prompt"]
