@@ -117,9 +117,18 @@ def cat_padded(tensors: list[torch.Tensor], value=0, left: bool = False) -> torc
 # vocabulary of 151,936, the whole batch at the built-in model's 18 tokens).
 LOGITS_CHUNK = 2**24
 
-# Config fields of models that transform their logits after the output layer (Gemma 2's softcapping, Cohere's and
-# Granite's scaling): completion_logprobs then uses the logits of the model's own forward, the whole (B, T, V) of them.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Config fields of models whose forward transforms the logits after the output layer (Gemma 2's and Gemma 3n's
+# softcapping, RecurrentGemma's soft cap, Cohere's and Granite's scaling, Falcon-H1's multiplier), read on the config and
+# on its text config: completion_logprobs then uses the logits of the model's own forward, the whole (B, T, V) of them.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
+
+def transforms_logits(model) -> bool:
+    """Whether the model's forward changes its logits after the output layer: a field of LOGIT_TRANSFORMS is set, or the
+    check at loading (models.check_output_layer) found the chunked output layer to differ from the model's forward."""
+    configs = (model.config, model.config.get_text_config())
+    fields = any(getattr(config, name, None) for config in configs for name in LOGIT_TRANSFORMS)
+    return fields or getattr(model, "logits_transformed", False)
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float, entropy_grad=False):
@@ -143,7 +152,7 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, t
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]  # (B, T)
     head = model.get_output_embeddings()  # the output layer: hidden state (H) -> logits (V)
-    own_logits = head is None or any(getattr(model.config, name, None) for name in LOGIT_TRANSFORMS)
+    own_logits = head is None or transforms_logits(model)
     with autocast(input_ids.device):
         out = model(
             input_ids,

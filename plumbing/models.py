@@ -105,7 +105,29 @@ def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, ta
         raise SystemExit(load_error_message(name, path, e)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
-    return model.to(device), tokenizer
+    model = model.to(device)
+    if auto_class is AutoModelForCausalLM:
+        check_output_layer(model)
+    return model, tokenizer
+
+
+def check_output_layer(model) -> None:
+    """Once, at loading: the chunked output layer of common.completion_logprobs must give the log-probs of the model's own
+    logits, on a short input. A model whose forward transforms its logits in a way that common.LOGIT_TRANSFORMS does not
+    name is marked `logits_transformed`, so that its log-probs come from its own forward; sampling and scoring then agree."""
+    import common
+
+    if model.get_output_embeddings() is None or common.transforms_logits(model):
+        return
+    ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]  # (1, 8)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        chunked, _ = common.completion_logprobs(model, ids, mask, 4, 1.0)  # (1, 4)
+        with common.autocast(ids.device):
+            logits = model(ids, attention_mask=mask, use_cache=False).logits[:, -5:-1].float()  # (1, 4, V)
+        own = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    if not torch.allclose(chunked, own, atol=1e-2):  # bf16 rounding on a GPU stays far below a transform's effect
+        model.logits_transformed = True
 
 
 def load_error_message(name: str, path: str, error: Exception) -> str:

@@ -51,3 +51,25 @@ def tiny_model(batch=6, seed=0, prompt_len=4, completion_len=5):
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
     return model, input_ids, attention_mask, mask
+
+
+def tiny_model_that_transforms_its_logits(kind: str, vocab: int = 18):
+    """A randomly initialised tiny causal LM whose forward changes its logits after the output layer: Falcon-H1 scales
+    them (lm_head_multiplier), RecurrentGemma soft-caps them (logits_soft_cap), Gemma 3n soft-caps them too, with the
+    field on its text config."""
+    from transformers import AutoModelForCausalLM, FalconH1Config, Gemma3nTextConfig, RecurrentGemmaConfig
+
+    torch.manual_seed(0)
+    shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if kind == "falcon_h1":
+        config = FalconH1Config(**shared, num_key_value_heads=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8)
+        config.update(dict(mamba_d_state=8, mamba_n_groups=1, lm_head_multiplier=0.3))
+    elif kind == "recurrent_gemma":
+        config = RecurrentGemmaConfig(**shared, lru_width=32, attention_window_size=16, logits_soft_cap=1.0)
+    else:
+        config = Gemma3nTextConfig(**shared, num_key_value_heads=2, head_dim=8, final_logit_softcapping=1.0)
+        config.update(
+            dict(vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=8, laurel_rank=4, num_kv_shared_layers=0)
+        )
+        config.update(dict(layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0, 0.0]))
+    return AutoModelForCausalLM.from_config(config).eval()

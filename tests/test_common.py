@@ -6,7 +6,7 @@ import torch
 import common
 import sft
 import tasks
-from helpers import tiny_model
+from helpers import tiny_model, tiny_model_that_transforms_its_logits
 from plumbing import dist, models
 
 
@@ -321,3 +321,55 @@ def test_two_runs_building_the_same_cache_keep_the_copy_that_finished_first(tmp_
     models.move_into_place(str(first), str(path))
     models.move_into_place(str(second), str(path))
     assert (path / "config.json").read_text() == "first" and not first.exists() and not second.exists()
+
+
+def own_forward_logprobs(model, input_ids, attention_mask, completion_len, temperature):
+    """log softmax(logits / T) at the completion tokens, from the logits of the model's own forward."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+    logprobs = torch.log_softmax(logits[:, -completion_len - 1 : -1].float() / temperature, dim=-1)
+    return logprobs.gather(-1, input_ids[:, -completion_len:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("kind", ["falcon_h1", "recurrent_gemma", "gemma3n"])
+def test_a_model_that_transforms_its_logits_is_scored_like_its_own_forward(kind):
+    """The chunked output layer would skip the transform (a scale of 0.3 or a soft cap at 1 move log-probs by a tenth of
+    a nat or more): such a model is scored through its own forward, so that sampling and scoring agree."""
+    model = tiny_model_that_transforms_its_logits(kind)
+    _, input_ids, attention_mask, mask = tiny_model(batch=4)
+    expected = own_forward_logprobs(model, input_ids, attention_mask, mask.shape[1], 0.7)
+    with torch.no_grad():
+        logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 0.7)
+    assert torch.allclose(logprobs, expected, atol=1e-5)
+
+
+def test_a_softcap_on_the_text_config_of_a_multimodal_config_is_read():
+    """Gemma 3n loaded through AutoModelForCausalLM keeps its softcapping on the text config of its Gemma3nConfig, not on
+    the top-level config (building the whole multimodal model needs timm: its config is what is read)."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3nConfig
+
+    config = Gemma3nConfig(text_config=tiny_model_that_transforms_its_logits("gemma3n").config.to_dict())
+    assert getattr(config, "final_logit_softcapping", None) is None and config.get_text_config().final_logit_softcapping
+    assert common.transforms_logits(SimpleNamespace(config=config))
+
+
+def test_a_transform_that_no_config_field_names_is_found_at_loading(monkeypatch, tmp_path):
+    """With LOGIT_TRANSFORMS emptied, Falcon-H1's multiplier goes unnamed: the check at loading compares the chunked
+    output layer with the model's forward on a short input, finds them apart, and marks the model."""
+    monkeypatch.setattr(common, "LOGIT_TRANSFORMS", ())
+    tiny_model_that_transforms_its_logits("falcon_h1").save_pretrained(tmp_path)
+    sft.build_tokenizer().save_pretrained(tmp_path)
+    model, _ = models.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
+    assert model.logits_transformed
+    _, input_ids, attention_mask, mask = tiny_model(batch=4)
+    with torch.no_grad():
+        logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
+    assert torch.allclose(logprobs, own_forward_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0), atol=1e-5)
+    tokenizer = sft.build_tokenizer()
+    sft.build_tiny_model(tokenizer).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    llama, _ = models.load_model_and_tokenizer(str(tmp_path / "llama"), "", torch.device("cpu"))
+    assert not getattr(llama, "logits_transformed", False)  # the chunked output layer is its forward: kept
