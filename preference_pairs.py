@@ -21,14 +21,15 @@ from plumbing import dist, models
 def sample_verifier_pairs(policy, tokenizer, task: tasks.Task, args, device: torch.device):
     """Pairs (prompt, chosen, rejected) from the policy's own answers, judged by the task's verifier: each of
     args.num_pair_prompts training problems is answered args.group_size times at temperature 1, and the most frequent
-    correct answer is paired with the most frequent wrong one (problems without both are skipped and counted).
-    Returns (datasets.Dataset, skipped)."""
+    correct answer is paired with the most frequent wrong one (problems without both are skipped and counted). Each
+    answer keeps the id of the end token it was sampled with (chosen_end, rejected_end): a chat model may end its turn
+    with another token than the tokenizer's EOS. Returns (datasets.Dataset, skipped)."""
     import datasets
     from tqdm import tqdm
 
     rng = random.Random(0)  # the same pairs for every seed
     prompts_all = task.train[rng.sample(range(len(task.train)), min(args.num_pair_prompts, len(task.train)))]
-    pairs, skipped = {"prompt": [], "chosen": [], "rejected": []}, 0
+    pairs, skipped = {"prompt": [], "chosen": [], "rejected": [], "chosen_end": [], "rejected_end": []}, 0
     for start in tqdm(range(0, len(prompts_all["prompt"]), 64), desc="building pairs"):
         prompts, answers = prompts_all["prompt"][start : start + 64], prompts_all["answer"][start : start + 64]
         prompt_ids, prompt_mask = common.tokenize_prompts(
@@ -36,19 +37,20 @@ def sample_verifier_pairs(policy, tokenizer, task: tasks.Task, args, device: tor
         )
         completion_ids, mask, truncated = common.generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, 1.0)
         texts = common.decode(tokenizer, completion_ids, mask, truncated)
+        ends = completion_ids.gather(1, mask.sum(dim=1, keepdim=True) - 1).squeeze(1).tolist()  # (B,) the last valid id
         correct = task.reward(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
         ended = ~truncated  # only answers that ended with EOS
         for i, prompt in enumerate(prompts):
             group = range(i * args.group_size, (i + 1) * args.group_size)
-            good = Counter(texts[j] for j in group if correct[j] == 1 and ended[j])
-            bad = Counter(texts[j] for j in group if correct[j] == 0 and ended[j])
+            good = Counter((texts[j], ends[j]) for j in group if correct[j] == 1 and ended[j])
+            bad = Counter((texts[j], ends[j]) for j in group if correct[j] == 0 and ended[j])
             if not good or not bad:
                 skipped += 1
                 continue
             # the most frequent correct and wrong answers: the policy's likeliest success against its likeliest mistake
-            pairs["prompt"].append(prompt)
-            pairs["chosen"].append(good.most_common(1)[0][0])
-            pairs["rejected"].append(bad.most_common(1)[0][0])
+            (chosen, chosen_end), (rejected, rejected_end) = good.most_common(1)[0][0], bad.most_common(1)[0][0]
+            for key, value in zip(pairs, (prompt, chosen, rejected, chosen_end, rejected_end)):
+                pairs[key].append(value)
     return datasets.Dataset.from_dict(pairs), skipped
 
 
@@ -60,7 +62,7 @@ def cached_verifier_pairs(args, task: tasks.Task, load_policy: Callable, device:
     import datasets
 
     model_path = models.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
-    recipe = ["most-frequent-v1", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
+    recipe = ["most-frequent-v2", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
     recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
     key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
     pairs_dir = os.path.join(models.cache_root(args.cache_dir), f"dpo-pairs-{key}")
@@ -89,12 +91,14 @@ def load_pairs(path: str):
 
 
 def tokenize_pairs(tokenizer, pairs, device: torch.device) -> dict:
-    """Left-padded prompts and right-padded chosen / rejected completions, each followed by EOS: a dict of (N, L)
-    tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
+    """Left-padded prompts and right-padded chosen / rejected completions, each followed by the end token it was sampled
+    with (the chosen_end and rejected_end columns of built-in pairs; the tokenizer's EOS for a user's pairs): a dict of
+    (N, L) tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, pairs["prompt"], device)
     data = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
     for key in ("chosen", "rejected"):
-        ids = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for text in pairs[key]]
+        ends = pairs.get(f"{key}_end") or [tokenizer.eos_token_id] * len(pairs[key])
+        ids = [tokenizer(text, add_special_tokens=False).input_ids + [end] for text, end in zip(pairs[key], ends)]
         width = max(len(i) for i in ids)
         data[f"{key}_ids"] = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
         data[f"{key}_mask"] = torch.tensor([[True] * len(i) + [False] * (width - len(i)) for i in ids], device=device)

@@ -190,3 +190,40 @@ def test_plain_prompts_get_the_bos_the_tokenizer_adds():
     ids, _ = common.tokenize_prompts(tokenizer, [plain.eval[0]["prompt"]], torch.device("cpu"))
     assert ids[0, 0].item() == 1 and ids[0, 1].item() == vocab[task.eval[0]["prompt"][0]]
     assert tasks.apply_chat_template(task, sft.build_tokenizer(), "auto").eval[0]["prompt"] == task.eval[0]["prompt"]
+
+
+def test_preference_pairs_keep_the_end_token_each_answer_was_sampled_with(chat_model_dir):
+    """The chat model's answers are steered to "What" (the even rows of a group) or "WhatWhat" (the odd ones), each ended
+    with <|endoftext|>, not with the tokenizer's EOS <|im_end|>: the pair of "What" (counted correct) against "WhatWhat"
+    trains the end token the policy used."""
+    from types import SimpleNamespace
+
+    import preference_pairs
+
+    model, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    end_of_text, word = (
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        tokenizer("What", add_special_tokens=False).input_ids[0],
+    )
+    steps = []
+
+    def steer(module, args, kwargs, out):
+        step, rows = len(steps), torch.arange(out.logits.shape[0])
+        logits = torch.full_like(out.logits, -30.0)
+        ends = (rows % 2 == 0) if step == 1 else (rows % 2 == 1) if step == 2 else torch.zeros_like(rows, dtype=torch.bool)
+        logits[:, -1, word] = 30.0
+        logits[ends, -1, word], logits[ends, -1, end_of_text] = -30.0, 30.0
+        steps.append(step)
+        out.logits = logits
+        return out
+
+    model.register_forward_hook(steer, with_kwargs=True)
+    task = tasks.make_task("addition")
+    task.reward = lambda texts, answers: torch.tensor([float(t.strip() == "What") for t in texts])
+    args = SimpleNamespace(num_pair_prompts=1, group_size=4, max_new_tokens=4)
+    pairs, skipped = preference_pairs.sample_verifier_pairs(model, tokenizer, task, args, torch.device("cpu"))
+    assert skipped == 0 and list(pairs["chosen"]) == ["What"] and list(pairs["rejected"]) == ["WhatWhat"]
+    data = preference_pairs.tokenize_pairs(tokenizer, pairs[:], torch.device("cpu"))
+    for key in ("chosen", "rejected"):
+        last = data[f"{key}_mask"].sum(dim=1) - 1
+        assert data[f"{key}_ids"][0, last[0]].item() == end_of_text, key
