@@ -61,19 +61,12 @@ def runs(model_dir, tmp_path_factory):
     jobs.append({"script": "sft.py", "argv": sft_argv, "rollouts": ""})
     # reward_model.py on the built-in model with an empty pairs cache: rank 0 loads the policy and builds the pairs alone
     shutil.copytree(model_dir, models.builtin_model_dir(str(root / "cache"), "addition"))  # the warm-up, already cached
-    rm_argv = [
-        "--model-name-or-path",
-        "builtin",
-        "--cache-dir",
-        str(root / "cache"),
-        "--device",
-        "cpu",
-        "--max-new-tokens",
-        "4",
-    ]
+    rm_argv = ["--model-name-or-path", "builtin", "--cache-dir", str(root / "cache"), "--device", "cpu"]
     rm_argv += ["--num-pair-prompts", "64", "--group-size", "4", "--batch-size", "2", "--num-eval-pairs", "2"]
-    rm_argv += ["--total-steps", "1", "--output-dir", str(root / "rm_builtin")]
+    rm_argv += ["--max-new-tokens", "4", "--total-steps", "1", "--output-dir", str(root / "rm_builtin")]
     jobs.append({"script": "reward_model.py", "argv": rm_argv, "rollouts": ""})
+    for name, counts in (("empty_and_one", ["0", "1"]), ("three_and_five", ["3", "5"])):  # dist.global_count_per_rank
+        jobs.append({"script": "tests/count_check.py", "argv": [str(root / f"{name}.json"), *counts], "rollouts": ""})
     (root / "jobs.json").write_text(json.dumps(jobs))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [os.path.join(ROOT, "tests", "distributed_jobs.py"), str(root / "jobs.json")]
@@ -146,10 +139,22 @@ def test_a_resumed_fsdp_run_ends_like_an_uninterrupted_one(runs):
     assert max_difference(trained(runs / "whole" / "checkpoint.pt"), trained(runs / "parts" / "checkpoint.pt")) == 0.0
 
 
-def test_sft_runs_under_torchrun(runs):
-    from transformers import AutoModelForCausalLM
+def test_sft_under_torchrun_trains_like_one_process_on_the_whole_batch(runs, monkeypatch, tmp_path):
+    """Two steps of the warm-up on 2 ranks (each half of every batch, whose answers have different numbers of tokens)
+    against one process on the whole batches: the same weights, because each rank's token mean is rescaled by its share
+    of the batch's answer tokens before the gradients are averaged (without that, the ranks' halves weigh alike)."""
+    from safetensors.torch import load_file
 
-    assert AutoModelForCausalLM.from_pretrained(runs / "sft").num_parameters() > 0
+    run_here(monkeypatch, "sft.py", "--device", "cpu", "--max-steps", "2", "--num-check", "100", "--output-dir", str(tmp_path))
+    ranks, single = load_file(runs / "sft" / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert max((ranks[k] - single[k]).abs().max().item() for k in single) < 1e-6
+
+
+def test_the_global_count_is_shared_out_over_the_ranks(runs):
+    """global_count_per_rank is the count over all ranks (at least 1) divided by their number: a rank with no valid token
+    beside one with a single token gets 1/2, not 1 (each rank's share clamped at 1 would double that token's weight)."""
+    for name, expected in (("empty_and_one", [0.5, 0.5]), ("three_and_five", [4.0, 4.0])):
+        assert json.loads((runs / f"{name}.json").read_text()) == expected, name
 
 
 def test_num_prompts_must_split_over_the_processes(monkeypatch):
