@@ -10,7 +10,11 @@ model and no critic during training. Sequence log-probs are sums over the comple
 
 Built-in data: the warm-up policy answers each of `num_pair_prompts` training problems `group_size` times; a correct
 and a wrong answer to the same problem make a pair (problems without both are skipped and counted). The pairs are
-built once and cached. `--dataset` takes any local or hub dataset with prompt / chosen / rejected columns instead.
+built once and cached, and the policy is evaluated on the task's held-out problems. `--dataset` takes any local or hub
+data set with prompt / chosen / rejected columns instead: `--num-eval` of its pairs are held out by prompt, and the
+implicit reward is evaluated on them (its accuracy and margin, as preference libraries report it); with an `answer`
+column, the held-out prompts are also answered greedily and scored by the `--task` verifier. Nothing is then read from
+the hub.
 
 Departures from the paper:
 1. Preferences come from the task's verifier (correct beats wrong), not from human labels, and the reference model
@@ -79,8 +83,10 @@ class Args:
     beta: float = 0.1
     """the KL coefficient of the implicit reward beta * log(pi / pi_ref)"""
     dataset: str = ""
-    """a local folder (datasets.save_to_disk or .json/.jsonl) or hub id with prompt, chosen, rejected columns
-    (default: pairs built from the warm-up policy's own answers)"""
+    """a local folder (datasets.save_to_disk or .json/.jsonl) or hub id with prompt, chosen, rejected columns, and
+    optionally answer (default: pairs built from the warm-up policy's own answers)"""
+    num_eval: int = 500
+    """with --dataset: pairs held out for evaluation (at most half; split by prompt, never trained on)"""
     num_pair_prompts: int = 4000
     """built-in pairs: training problems to answer"""
     group_size: int = 8
@@ -100,7 +106,7 @@ def check_args(args: Args) -> None:
     for flag in ("beta", "learning_rate", "max_grad_norm"):
         checks.flag(args, flag, "must be positive", lambda v: v > 0)
     checks.flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
-    for flag in ("total_steps", "batch_size", "num_pair_prompts", "eval_every"):
+    for flag in ("total_steps", "batch_size", "num_pair_prompts", "eval_every", "num_eval"):
         checks.flag(args, flag, "must be at least 1", lambda v: v >= 1)
     checks.flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
     checks.flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
@@ -146,6 +152,22 @@ def sequence_logps(model, prompt_ids, prompt_mask, completion_ids, mask):
     return torch.where(mask, logprobs, 0.0).sum(dim=1)
 
 
+@torch.no_grad()
+def evaluate_pairs(model, data, ref_chosen_logps, ref_rejected_logps, args) -> dict:
+    """The implicit reward beta log(pi / pi_ref) on held-out pairs (never trained on): the fraction it ranks right, its
+    mean margin, the mean rewards of each side and the DPO loss, as eval/... metrics."""
+    chunks = torch.arange(len(ref_chosen_logps), device=ref_chosen_logps.device).split(args.micro_batch_size)
+    rows = [compute_loss(*pair_logps(model, data, i), ref_chosen_logps[i], ref_rejected_logps[i], args)[1] for i in chunks]
+    return {f"eval/{name.replace('/', '_')}": value.item() for name, value in common.pool_metrics(rows).items()}
+
+
+@torch.no_grad()
+def reference_logps(model, data, chunk_size: int):
+    """Sequence log-probs of every chosen and rejected completion of `data` under the model, before any update."""
+    chunks = torch.arange(len(data["prompt_ids"]), device=data["prompt_ids"].device).split(chunk_size)
+    return (torch.cat(x) for x in zip(*[pair_logps(model, data, idx) for idx in chunks]))
+
+
 def pair_logps(model, data, idx):
     """Sequence log-probs (b,) of the chosen and of the rejected completions of the pairs `idx` (data: tokenize_pairs)."""
     prompt = (data["prompt_ids"][idx], data["prompt_mask"][idx])
@@ -163,12 +185,18 @@ if __name__ == "__main__":
     check_args(args)
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
     common.seed_everything(args.seed + dist.rank())  # under torchrun each process draws its own numbers
-    task = tasks.make_task(args.task)
-    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
-    # a user's data set is read before any model is loaded
-    user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None
+    task, eval_pairs = None, None  # what the policy is evaluated on: the task's problems, or held-out pairs (--dataset)
+    if args.dataset:  # a user's pairs, read before any model is loaded; the task's data is not needed
+        user_pairs, eval_pairs = preference_pairs.split_held_out(preference_pairs.load_pairs(args.dataset), args.num_eval)
+        if "answer" in user_pairs.column_names:  # held-out prompts to answer, scored by the task's verifier
+            answers = lambda ds: ds.select_columns(["prompt", "answer"]).map(lambda r: {"answer": str(r["answer"]).strip()})  # noqa: E731
+            task = tasks.Task(args.task, answers(user_pairs), answers(eval_pairs), *tasks.verifier(args.task))
+    else:
+        task = tasks.make_task(args.task)
+    args.max_new_tokens = args.max_new_tokens or tasks.verifier(args.task)[1]  # the task's budget unless --max-new-tokens
     policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    if not args.dataset:  # a user's pairs are used as given (render them with your chat template yourself)
+        task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
@@ -181,15 +209,22 @@ if __name__ == "__main__":
     generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
     print(f"{len(pairs)} preference pairs ({skipped} prompts had no correct-and-wrong pair)")
     data = preference_pairs.tokenize_pairs(tokenizer, pairs[:], device)
-    with torch.no_grad():  # the reference is the starting policy: its log-probs, once, before any update
-        chunks = torch.arange(len(pairs), device=device).split(args.micro_batch_size)
-        ref_chosen_logps, ref_rejected_logps = (torch.cat(x) for x in zip(*[pair_logps(policy, data, i) for i in chunks]))
+    # the reference is the starting policy: its log-probs, once, before any update
+    ref_chosen_logps, ref_rejected_logps = reference_logps(policy, data, args.micro_batch_size)
+    if eval_pairs is not None:
+        eval_data = preference_pairs.tokenize_pairs(tokenizer, eval_pairs[:], device)
+        ref_eval_logps = tuple(reference_logps(policy, eval_data, args.micro_batch_size))
+
+    def evaluate() -> dict:  # the held-out pairs (--dataset) and, where there are answers, greedy accuracy
+        metrics = evaluate_pairs(policy, eval_data, *ref_eval_logps, args) if eval_pairs is not None else {}
+        return {**metrics, **(common.evaluate(policy, tokenizer, task, args.max_new_tokens) if task else {})}
+
     (policy,) = dist.prepare_models(args, policy)  # torchrun: rank 0's weights everywhere, or FSDP2 (--fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
     logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
-    eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    eval_metrics = logger.last_eval or evaluate()
     pairs_metrics = {
         "data/pairs": len(pairs),
         "data/skipped_prompts": skipped,
@@ -228,10 +263,11 @@ if __name__ == "__main__":
         row = common.pool_metrics(train_metrics)
         row.update({"train/grad_norm": grad_norm, "time/step": time.time() - step_start, "train/responses": generated})
         if step % args.eval_every == 0 or step == args.total_steps:
-            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+            eval_metrics = evaluate()
             row.update(eval_metrics)
         logger.log(step, row)
-        bar.set_postfix(loss=f"{row['loss/dpo'].item():.3f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
+        shown = {k: f"{eval_metrics[k]:.2f}" for k in ("eval/accuracy", "eval/rewards_accuracies") if k in eval_metrics}
+        bar.set_postfix(loss=f"{row['loss/dpo'].item():.3f}", **{k.split("/")[1]: v for k, v in shown.items()})
         checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
 
     # -----------------------------------------------------------------------------------------------------------------
@@ -240,4 +276,5 @@ if __name__ == "__main__":
     dist.save_model(policy, tokenizer, os.path.join(args.output_dir, "model"))  # under torchrun: rank 0, gathered
     logger.close()
     checkpoint.close()
-    print(f"eval/accuracy {eval_metrics['eval/accuracy']:.3f} after {args.total_steps} steps; saved to {args.output_dir}")
+    shown = ", ".join(f"{k} {eval_metrics[k]:.3f}" for k in ("eval/accuracy", "eval/rewards_accuracies") if k in eval_metrics)
+    print(f"{shown} after {args.total_steps} steps; saved to {args.output_dir}")

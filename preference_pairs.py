@@ -84,6 +84,14 @@ def cached_verifier_pairs(args, task: tasks.Task, load_policy: Callable, device:
     return datasets.load_from_disk(pairs_dir), skipped, time.time() - start if missing else 0.0
 
 
+def split_held_out(pairs, num_eval: int):
+    """(train, held_out) of a user's pairs: `num_eval` of them (at most half) held out for evaluation, split by prompt,
+    so that no prompt is both trained on and evaluated; the split is fixed (its own seed)."""
+    if len(set(pairs["prompt"])) < 2:
+        raise SystemExit("--dataset: needs pairs of at least two distinct prompts (one to train on, one held out)")
+    return tasks.split_by_key(pairs, min(num_eval, len(pairs) // 2), lambda row: row["prompt"], seed=1234)
+
+
 def load_pairs(path: str):
     """--dataset of preference pairs (dpo.py, reward_model.py): like tasks.load_user_dataset, with prompt, chosen and rejected
     columns. The prompts are used as given (render them with your chat template yourself)."""

@@ -179,12 +179,16 @@ def make_task(name: str, dataset: str = "", num_eval: int = 500) -> Task:
     if len(set(rows["prompt"])) < 2:
         raise SystemExit(f"--dataset {dataset!r}: needs at least two distinct prompts (one to train on, one held out)")
     train, held_out = split_by_key(rows, min(num_eval, len(rows) // 2), lambda row: row["prompt"], seed=1234)
+    return Task(name, train, held_out, *verifier(name))
+
+
+def verifier(name: str) -> tuple[Callable[[str], str | None], int]:
+    """The answer reader and the generation budget of the task `name`, for a user's data scored like it: those of
+    VERIFIERS, or for a task of your own, its own."""
     if name in VERIFIERS:
-        extract_answer, max_new_tokens = VERIFIERS[name]
-    else:  # a task of your own: its verifier and budget, from the task itself
-        own = TASKS[name]()
-        extract_answer, max_new_tokens = own.extract_answer, own.max_new_tokens
-    return Task(name, train, held_out, extract_answer, max_new_tokens)
+        return VERIFIERS[name]
+    own = TASKS[name]()
+    return own.extract_answer, own.max_new_tokens
 
 
 def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):

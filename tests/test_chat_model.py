@@ -115,21 +115,19 @@ def test_generation_stops_at_either_eos(chat_model_dir):
     "script", ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
 )
 def test_every_script_trains_the_chat_model_on_a_data_file(chat_model_dir, data_file, tmp_path, monkeypatch, script):
-    """Two steps of each script on the chat model, loaded by path, with the user's data file (DPO: preference pairs,
-    evaluated on the addition task; the reward model: pairs of the user's prompts, rendered with the chat template as the
-    policy will read them): the prompts it was fed carry the chat template."""
+    """Two steps of each script on the chat model, loaded by path, with the user's data file (DPO and the reward model:
+    pairs of the user's prompts, rendered with the chat template as the policy reads them, offline): the prompts it was
+    fed carry the chat template."""
     flags = ["--model-name-or-path", chat_model_dir, "--output-dir", str(tmp_path), "--max-new-tokens", "6"]
-    if script == "dpo.py":
-        pairs = tmp_path / "pairs.jsonl"
-        pairs.write_text("\n".join(json.dumps({"prompt": f"{a}+3=", "chosen": str(a + 3), "rejected": "0"}) for a in range(8)))
-        flags += ["--dataset", str(pairs), "--batch-size", "4", "--total-steps", "2", "--eval-every", "2", "--device", "cpu"]
-    elif script == "reward_model.py":
+    if script in ("dpo.py", "reward_model.py"):  # pairs whose prompts the user rendered with the chat template, offline
         _, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
         rendered = tasks.apply_chat_template(tasks.make_task("gsm8k", data_file, num_eval=4), tokenizer, "auto").train
-        pairs = [{"prompt": row["prompt"], "chosen": row["answer"], "rejected": "0"} for row in rendered]
+        pairs = [{**row, "chosen": row["answer"], "rejected": "0"} for row in rendered.to_list()]  # with their answers
         (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for pair in pairs))
-        flags += ["--dataset", str(tmp_path / "pairs.jsonl"), "--num-eval-pairs", "4", "--batch-size", "4"]
+        flags += ["--dataset", str(tmp_path / "pairs.jsonl"), "--task", "gsm8k", "--batch-size", "4"]
+        flags += ["--num-eval" if script == "dpo.py" else "--num-eval-pairs", "4"]
         flags += ["--total-steps", "2", "--eval-every", "2", "--device", "cpu"]
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing of the task's data is read
     else:
         coin_flip_rewards(monkeypatch, p=0.5)  # DAPO needs groups of mixed scores; the others do not mind
         flags += ["--task", "gsm8k", "--dataset", data_file, "--num-eval", "4", *SMALL, "--eval-every", "2"]

@@ -104,7 +104,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, mode
     assert max_difference(trained(runs / "ddp" / name / "checkpoint.pt.1"), trained(one / "checkpoint.pt.2")) > 1e-5
     ranks, single = rows(runs / "ddp" / name), rows(one)
     assert [r["step"] for r in ranks] == [0, 1, 2]  # one metrics.jsonl, written once per step
-    keys = {"dpo.py": ("eval/accuracy", "loss/dpo"), "reward_model.py": ("eval/pairwise_accuracy", "loss/rm")}
+    keys = {"dpo.py": ("eval/rewards_margins", "loss/dpo"), "reward_model.py": ("eval/pairwise_accuracy", "loss/rm")}
     for key in keys.get(script, ("eval/accuracy", "loss/policy")):  # pooled over ranks
         assert ranks[-1][key] == pytest.approx(single[-1][key], abs=1e-5), key
 

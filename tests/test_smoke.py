@@ -102,16 +102,23 @@ def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):
 
 def test_dpo_end_to_end_through_the_command_line(model_dir, tmp_path):
     pairs = [
-        {"prompt": f"{a:02d}+{b:02d}=", "chosen": str(a + b)[::-1], "rejected": str(a + b + 1)[::-1]}
-        for a, b in ((7, 45), (13, 9))
+        {
+            "prompt": f"{a:02d}+{b:02d}=",
+            "chosen": str(a + b)[::-1],
+            "rejected": str(a + b + 1)[::-1],
+            "answer": str(a + b)[::-1],
+        }
+        for a, b in ((7, 45), (13, 9), (20, 31), (8, 8), (41, 17), (66, 3))
     ]
-    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs * 4))
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs + pairs[:2]))
     flags = ["--dataset", str(tmp_path / "pairs.jsonl"), "--batch-size", "4", "--micro-batch-size", "2", "--total-steps", "2"]
+    flags += ["--num-eval", "2"]  # held-out pairs, by prompt: the implicit reward is evaluated on them, their answers too
     result = run("dpo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), "--eval-every", "1", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     logged = rows(tmp_path)
     assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
-    assert logged[0]["data/pairs"] == 8
+    assert logged[0]["data/pairs"] == 6 and logged[0]["eval/rewards_margins"] == 0.0  # the policy is the reference
+    assert {"eval/rewards_accuracies", "eval/rewards_chosen", "eval/rewards_rejected", "eval/loss_dpo"} <= set(logged[2])
     for key in ("loss/dpo", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert key in logged[-1], key
     assert logged[1]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference at the first step
