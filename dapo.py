@@ -57,6 +57,9 @@ class Args:
     chat_template: str = "auto"
     """auto: prompts rendered with the tokenizer's chat template when it has one (the task's answer format as the
     system message); none: plain prompts; on: like auto, but a template is required"""
+    instruction: str = ""
+    """the system message a chat model gets with each prompt: the answer format (default: the task's own, e.g. for
+    --dataset prompts scored like gsm8k, "Solve the problem step by step. End your reply with ... a plain number.")"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
@@ -87,8 +90,8 @@ class Args:
     """passes over the rollout batch (the paper's mu)"""
     micro_batch_size: int = 0
     """responses per forward/backward pass, for memory (0: the whole minibatch); does not change the gradient"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate"""
+    learning_rate: float = 0.0
+    """AdamW learning rate (0: 1e-4 for the built-in model, 1e-6 for a pretrained one, whose weights larger steps wreck)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     temperature: float = 1.0
@@ -114,6 +117,7 @@ class Args:
         self.batch_size = self.num_prompts * self.group_size // dist.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
+        self.learning_rate = self.learning_rate or (1e-4 if self.model_name_or_path == "builtin" else 1e-6)
 
 
 def check_args(args: Args) -> None:
@@ -224,7 +228,7 @@ if __name__ == "__main__":
     )
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
     policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty

@@ -55,6 +55,9 @@ class Args:
     chat_template: str = "auto"
     """auto: prompts rendered with the tokenizer's chat template when it has one (the task's answer format as the
     system message); none: plain prompts; on: like auto, but a template is required"""
+    instruction: str = ""
+    """the system message a chat model gets with each prompt: the answer format (default: the task's own, e.g. for
+    --dataset prompts scored like gsm8k, "Solve the problem step by step. End your reply with ... a plain number.")"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
@@ -196,7 +199,7 @@ if __name__ == "__main__":
     args.max_new_tokens = args.max_new_tokens or tasks.verifier(args.task)[1]  # the task's budget unless --max-new-tokens
     policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
     if not args.dataset:  # a user's pairs are used as given (render them with your chat template yourself)
-        task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+        task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's

@@ -56,6 +56,9 @@ class Args:
     chat_template: str = "auto"
     """auto: prompts rendered with the tokenizer's chat template when it has one (the task's answer format as the
     system message); none: plain prompts; on: like auto, but a template is required"""
+    instruction: str = ""
+    """the system message a chat model gets with each prompt: the answer format (default: the task's own, e.g. for
+    --dataset prompts scored like gsm8k, "Solve the problem step by step. End your reply with ... a plain number.")"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
@@ -86,8 +89,8 @@ class Args:
     """passes over the rollout batch"""
     micro_batch_size: int = 0
     """responses per forward/backward pass, for memory (0: the whole minibatch); does not change the gradient"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate of the policy"""
+    learning_rate: float = 0.0
+    """AdamW learning rate of the policy (0: 1e-4 for the built-in model, 1e-6 for a pretrained one)"""
     max_grad_norm: float = 1.0
     """gradient clipping threshold"""
     temperature: float = 1.0
@@ -98,8 +101,8 @@ class Args:
     """PPO clip range epsilon"""
     beta: float = 0.05
     """coefficient of the per-token KL penalty in the reward (0: no reference model is loaded)"""
-    critic_learning_rate: float = 3e-4
-    """AdamW learning rate of the critic"""
+    critic_learning_rate: float = 0.0
+    """AdamW learning rate of the critic (0: 3e-4 for the built-in model, 1e-5 for a pretrained one)"""
     gamma: float = 1.0
     """discount; 1 for episodic text generation"""
     lam: float = 0.95
@@ -118,6 +121,7 @@ class Args:
         self.batch_size = self.num_prompts * self.group_size // dist.world_size()  # responses per rollout and process
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
+        self.learning_rate = self.learning_rate or (1e-4 if self.model_name_or_path == "builtin" else 1e-6)
 
 
 def check_args(args: Args) -> None:
@@ -240,7 +244,7 @@ if __name__ == "__main__":
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
     policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template)  # the prompts as the model reads them
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
@@ -251,7 +255,8 @@ if __name__ == "__main__":
     policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # torchrun: rank 0's weights everywhere, or FSDP2
     critic = dist.prepare_models(args, Critic(args).to(device))[0]  # PPO: under torchrun, prepared like the policy
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
-    param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
+    critic_lr = args.critic_learning_rate or (3e-4 if args.model_name_or_path == "builtin" else 1e-5)  # PPO: the critic
+    param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": critic_lr}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
     rng = random.Random(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last

@@ -146,10 +146,27 @@ def make_gsm8k_task(num_eval: int = 500) -> Task:
     return Task("gsm8k", convert("train"), convert("test").select(range(num_eval)), gsm8k_answer)
 
 
+def make_sums_task(num_eval: int = 200) -> Task:
+    """Two-digit addition asked in words, for a pretrained chat model (the built-in model reads digits only): "What is
+    61 + 48?", rewarded when the last number of the reply is the sum (the gsm8k verifier), with a 24-token budget. A
+    small chat model explains at length and runs out of tokens before its answer; RL teaches it to answer. The
+    held-out split is split by the unordered pair of operands, so that "48 + 61" is not trained on when "61 + 48" is
+    held out."""
+    import datasets
+
+    problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    prompts, answers = [f"What is {a} + {b}?" for a, b in problems], [str(a + b) for a, b in problems]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
+    operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))  # noqa: E731
+    train, held_out = split_by_key(dataset, num_eval, operands, seed=1234)
+    return Task("sums", train, held_out, gsm8k_answer, max_new_tokens=24, instruction="Add the two numbers.")
+
+
 TASKS: dict[str, Callable[[], Task]] = {
     "addition": make_addition_task,
     "scratchpad": make_scratchpad_task,
     "gsm8k": make_gsm8k_task,
+    "sums": make_sums_task,
 }
 BUILTIN_TASKS = ("addition", "scratchpad")  # the tasks the built-in model can be warmed up on
 
@@ -236,13 +253,13 @@ def has_chat_template(path: str) -> bool | None:
         return False
 
 
-def apply_chat_template(task: Task, tokenizer, mode: str) -> Task:
+def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "") -> Task:
     """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
-    conversation, the task's answer format as the system message (INSTRUCTIONS), the prompt as the user turn, then the
-    generation prompt; with 'none' (or 'auto' and no template, as for base models) the prompts stay plain text, behind
-    the tokenizer's BOS if its own encoding starts with one (the model was trained so; prompts are tokenized without
-    special tokens, since a chat template writes them itself). A template that refuses a system role gets the
-    instruction at the head of the user turn instead."""
+    conversation, the answer format as the system message (`instruction`: --instruction, else the task's own, else
+    INSTRUCTIONS), the prompt as the user turn, then the generation prompt; with 'none' (or 'auto' and no template, as
+    for base models) the prompts stay plain text, behind the tokenizer's BOS if its own encoding starts with one (the
+    model was trained so; prompts are tokenized without special tokens, since a chat template writes them itself). A
+    template that refuses a system role gets the instruction at the head of the user turn instead."""
     if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
         bos = tokenizer.bos_token if tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id] else None
         if bos is None:  # (the built-in tokenizer has no BOS)
@@ -253,7 +270,7 @@ def apply_chat_template(task: Task, tokenizer, mode: str) -> Task:
         raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
     from jinja2.exceptions import TemplateError
 
-    instruction = task.instruction or INSTRUCTIONS.get(task.name, "")
+    instruction = instruction or task.instruction or INSTRUCTIONS.get(task.name, "")  # --instruction, else the task's
 
     def render(prompt: str) -> str:
         turns = [{"role": "system", "content": instruction}] if instruction else []

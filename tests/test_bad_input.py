@@ -286,3 +286,16 @@ def test_a_held_out_split_smaller_than_the_processes_is_refused(monkeypatch, tmp
     assert str(info.value.code).startswith("--num-eval 4: the held-out split has 1 row(s), fewer than the 2 processes")
     monkeypatch.setenv("WORLD_SIZE", "1")
     checks.split_sizes(grpo.Args(num_prompts=1, num_eval=4, task="gsm8k"), task)
+
+
+def test_a_pretrained_model_gets_a_learning_rate_that_does_not_wreck_it(tmp_path):
+    """With --learning-rate left at 0, the built-in 0.85M-parameter model trains at the rate it was tuned for and any
+    other (pretrained) model at a rate a hundred times smaller; PPO's critic and the reward model likewise."""
+    for module in RL_SCRIPTS:
+        assert module.Args().learning_rate == 1e-4 and module.Args(model_name_or_path=str(tmp_path)).learning_rate == 1e-6
+        assert module.Args(model_name_or_path=str(tmp_path), learning_rate=3e-5).learning_rate == 3e-5  # as given
+    import reward_model
+
+    assert (
+        reward_model.Args().learning_rate == 3e-4 and reward_model.Args(model_name_or_path=str(tmp_path)).learning_rate == 1e-5
+    )

@@ -225,3 +225,11 @@ def test_preference_pairs_keep_the_end_token_each_answer_was_sampled_with(chat_m
     for key in ("chosen", "rejected"):
         last = data[f"{key}_mask"].sum(dim=1) - 1
         assert data[f"{key}_ids"][0, last[0]].item() == end_of_text, key
+
+
+def test_the_instruction_flag_is_the_system_message(chat_model_dir, data_file):
+    """--instruction replaces the task's answer format as the system message, for a user's prompts too."""
+    _, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    task = tasks.make_task("gsm8k", data_file, num_eval=4)
+    rendered = tasks.apply_chat_template(task, tokenizer, "auto", "Reply with the number only.")
+    assert rendered.train[0]["prompt"].startswith("<|im_start|>system\nReply with the number only.<|im_end|>\n")
