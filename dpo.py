@@ -51,7 +51,7 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (offline, for the built-in model), 'sums' (offline, for a chat model) or 'gsm8k' (hub)"""
     chat_template: str = "auto"
     """auto: prompts rendered with the tokenizer's chat template when it has one (the task's answer format as the
     system message); none: plain prompts; on: like auto, but a template is required"""

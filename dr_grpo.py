@@ -46,7 +46,7 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (offline, for the built-in model), 'sums' (offline, for a chat model) or 'gsm8k' (hub)"""
     dataset: str = ""
     """your own prompts instead of the task's: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a hub id with
     prompt and answer columns, scored by --task's verifier"""

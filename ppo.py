@@ -47,7 +47,7 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (offline, for the built-in model), 'sums' (offline, for a chat model) or 'gsm8k' (hub)"""
     dataset: str = ""
     """your own prompts instead of the task's: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a hub id with
     prompt and answer columns, scored by --task's verifier"""
@@ -122,6 +122,7 @@ class Args:
         self.minibatch_size = self.batch_size // max(1, self.num_minibatches)
         self.micro_batch_size = self.micro_batch_size or self.minibatch_size
         self.learning_rate = self.learning_rate or (1e-4 if self.model_name_or_path == "builtin" else 1e-6)
+        self.critic_learning_rate = self.critic_learning_rate or (3e-4 if self.model_name_or_path == "builtin" else 1e-5)
 
 
 def check_args(args: Args) -> None:
@@ -255,8 +256,7 @@ if __name__ == "__main__":
     policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # torchrun: rank 0's weights everywhere, or FSDP2
     critic = dist.prepare_models(args, Critic(args).to(device))[0]  # PPO: under torchrun, prepared like the policy
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
-    critic_lr = args.critic_learning_rate or (3e-4 if args.model_name_or_path == "builtin" else 1e-5)  # PPO: the critic
-    param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": critic_lr}]
+    param_groups = [{"params": policy.parameters()}, {"params": critic.parameters(), "lr": args.critic_learning_rate}]
     optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate, weight_decay=0.0)  # PPO: the actor and the critic
     rng = random.Random(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last

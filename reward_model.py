@@ -62,7 +62,7 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "addition"
-    """'addition' or 'scratchpad' (built in, offline), or 'gsm8k' (from the hub)"""
+    """'addition' or 'scratchpad' (offline, for the built-in model), 'sums' (offline, for a chat model) or 'gsm8k' (hub)"""
     chat_template: str = "auto"
     """auto: prompts rendered with the tokenizer's chat template when it has one (as the RL scripts do: the reward model
     must read the prompts they will feed it); none: plain prompts; on: like auto, but a template is required"""
@@ -94,7 +94,7 @@ class Args:
     """gradient clipping threshold"""
     center_coef: float = 0.01
     """weight of the centring term mean((R_w + R_l)^2) that pins the reward's free zero point (0: off)"""
-    num_eval_pairs: int = 400
+    num_eval: int = 400
     """pairs held out for evaluation, split off by problem"""
     dataset: str = ""
     """a local folder (datasets.save_to_disk or .json/.jsonl) or hub id with prompt, chosen, rejected columns
@@ -121,7 +121,7 @@ def check_args(args: Args) -> None:
         checks.flag(args, flag, "must be positive", lambda v: v > 0)
     checks.flag(args, "center_coef", "must be 0 (off) or positive", lambda v: v >= 0)
     checks.flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
-    for flag in ("total_steps", "batch_size", "num_eval_pairs", "num_pair_prompts", "eval_every"):
+    for flag in ("total_steps", "batch_size", "num_eval", "num_pair_prompts", "eval_every"):
         checks.flag(args, flag, "must be at least 1", lambda v: v >= 1)
     checks.flag(args, "group_size", "needs at least 2 answers per problem to make a pair", lambda v: v >= 2)
     checks.flag(args, "micro_batch_size", "must be 0 (the whole batch) or positive", lambda v: v >= 0)
@@ -205,10 +205,10 @@ if __name__ == "__main__":
     check_args(args)
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
     common.seed_everything(args.seed + dist.rank())  # under torchrun each process draws its own numbers
-    task = tasks.make_task(args.task)
-    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
-    # a user's data set is read before any model is loaded
+    args.max_new_tokens = args.max_new_tokens or tasks.verifier(args.task)[1]  # the task's budget unless --max-new-tokens
+    # a user's pairs are read before any model is loaded (and the task's data is not needed), else the task's problems
     user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None
+    task = None if args.dataset else tasks.make_task(args.task)
     # the warm-up policy's body with a new one-output head; models stay in eval mode throughout (no dropout)
     model, tokenizer = models.load_model_and_tokenizer(
         args.model_name_or_path, args.cache_dir, device, args.task, AutoModelForSequenceClassification, num_labels=1
@@ -216,15 +216,15 @@ if __name__ == "__main__":
     model.config.pad_token_id = tokenizer.pad_token_id  # so that the saved model also works with the library's pooling
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(model)
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the policy will read it
-    if args.dataset:
+    if args.dataset:  # a user's pairs are used as given (render them with the policy's chat template yourself)
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
+        task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the policy reads it
         load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)  # noqa: E731
         pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, load_policy, device)
     # the built-in tasks' plain prompts are split by operands (a problem and its twin together), anything else by prompt
-    by_operands = not args.dataset and args.task in tasks.BUILTIN_TASKS and not task.chat
-    train_pairs, eval_pairs = split_pairs(pairs, args.num_eval_pairs, by_operands)
+    by_operands = task is not None and args.task in tasks.BUILTIN_TASKS and not task.chat
+    train_pairs, eval_pairs = split_pairs(pairs, args.num_eval, by_operands)
     if len(train_pairs) < args.batch_size or len(eval_pairs) == 0:
         raise SystemExit(
             f"{len(pairs)} preference pairs ({skipped} prompts skipped): {len(eval_pairs)} held out by problem leave "

@@ -149,9 +149,9 @@ def make_gsm8k_task(num_eval: int = 500) -> Task:
 def make_sums_task(num_eval: int = 200) -> Task:
     """Two-digit addition asked in words, for a pretrained chat model (the built-in model reads digits only): "What is
     61 + 48?", rewarded when the last number of the reply is the sum (the gsm8k verifier), with a 24-token budget. A
-    small chat model explains at length and runs out of tokens before its answer; RL teaches it to answer. The
-    held-out split is split by the unordered pair of operands, so that "48 + 61" is not trained on when "61 + 48" is
-    held out."""
+    small chat model told to solve it step by step explains at length and runs out of tokens before its answer; RL
+    teaches it to answer within the budget. The held-out split is split by the unordered pair of operands, so that
+    "48 + 61" is not trained on when "61 + 48" is held out."""
     import datasets
 
     problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -159,7 +159,7 @@ def make_sums_task(num_eval: int = 200) -> Task:
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
     operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))  # noqa: E731
     train, held_out = split_by_key(dataset, num_eval, operands, seed=1234)
-    return Task("sums", train, held_out, gsm8k_answer, max_new_tokens=24, instruction="Add the two numbers.")
+    return Task("sums", train, held_out, gsm8k_answer, max_new_tokens=24)
 
 
 TASKS: dict[str, Callable[[], Task]] = {
@@ -178,6 +178,7 @@ INSTRUCTIONS = {
     "addition": "Add the two numbers. Reply with the digits of the sum in reverse order, ones digit first, and nothing else.",
     "scratchpad": "Add the two numbers column by column from the ones digit, like 2+6=8 8+9=17 4+3+1=8, then = and the sum.",
     "gsm8k": "Solve the problem step by step. End your reply with the final answer as a plain number.",
+    "sums": "Solve the problem step by step. End your reply with the final answer as a plain number.",
 }
 
 

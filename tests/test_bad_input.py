@@ -70,7 +70,7 @@ def test_decoupled_clip_ranges_must_lie_in_0_1(module, flag):
     [
         ("gamma", 1.5, "must be in [0, 1]"),
         ("lam", NAN, "must be in [0, 1]"),
-        ("critic_learning_rate", 0.0, "must be positive"),
+        ("critic_learning_rate", -3e-4, "must be positive"),
         ("value_clip_eps", -0.2, "must be 0 (off) or positive"),
         ("entropy_coef", -0.01, "must be 0 (off) or positive"),
         ("target_kl", INF, "must be 0 (off) or positive"),
@@ -294,6 +294,7 @@ def test_a_pretrained_model_gets_a_learning_rate_that_does_not_wreck_it(tmp_path
     for module in RL_SCRIPTS:
         assert module.Args().learning_rate == 1e-4 and module.Args(model_name_or_path=str(tmp_path)).learning_rate == 1e-6
         assert module.Args(model_name_or_path=str(tmp_path), learning_rate=3e-5).learning_rate == 3e-5  # as given
+    assert ppo.Args().critic_learning_rate == 3e-4 and ppo.Args(model_name_or_path=str(tmp_path)).critic_learning_rate == 1e-5
     import reward_model
 
     assert (

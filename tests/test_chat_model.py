@@ -125,8 +125,7 @@ def test_every_script_trains_the_chat_model_on_a_data_file(chat_model_dir, data_
         pairs = [{**row, "chosen": row["answer"], "rejected": "0"} for row in rendered.to_list()]  # with their answers
         (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for pair in pairs))
         flags += ["--dataset", str(tmp_path / "pairs.jsonl"), "--task", "gsm8k", "--batch-size", "4"]
-        flags += ["--num-eval" if script == "dpo.py" else "--num-eval-pairs", "4"]
-        flags += ["--total-steps", "2", "--eval-every", "2", "--device", "cpu"]
+        flags += ["--num-eval", "4", "--total-steps", "2", "--eval-every", "2", "--device", "cpu"]
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing of the task's data is read
     else:
         coin_flip_rewards(monkeypatch, p=0.5)  # DAPO needs groups of mixed scores; the others do not mind

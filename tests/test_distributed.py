@@ -29,7 +29,7 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2) -> list[str]:
     if script == "dpo.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
     if script == "reward_model.py":
-        return shared + ["--dataset", pairs, "--batch-size", "4", "--num-eval-pairs", "2", "--learning-rate", "1e-3"]
+        return shared + ["--dataset", pairs, "--batch-size", "4", "--num-eval", "2", "--learning-rate", "1e-3"]
     if script == "ppo.py":
         return shared + ["--num-prompts", "8", "--num-minibatches", "1", "--num-epochs", "1"]
     return shared + ["--num-prompts", "4", "--group-size", "4", "--num-minibatches", "1"]
@@ -62,7 +62,7 @@ def runs(model_dir, tmp_path_factory):
     # reward_model.py on the built-in model with an empty pairs cache: rank 0 loads the policy and builds the pairs alone
     shutil.copytree(model_dir, models.builtin_model_dir(str(root / "cache"), "addition"))  # the warm-up, already cached
     rm_argv = ["--model-name-or-path", "builtin", "--cache-dir", str(root / "cache"), "--device", "cpu"]
-    rm_argv += ["--num-pair-prompts", "64", "--group-size", "4", "--batch-size", "2", "--num-eval-pairs", "2"]
+    rm_argv += ["--num-pair-prompts", "64", "--group-size", "4", "--batch-size", "2", "--num-eval", "2"]
     rm_argv += ["--max-new-tokens", "4", "--total-steps", "1", "--output-dir", str(root / "rm_builtin")]
     jobs.append({"script": "reward_model.py", "argv": rm_argv, "rollouts": ""})
     for name, counts in (("empty_and_one", ["0", "1"]), ("three_and_five", ["3", "5"])):  # dist.global_count_per_rank

@@ -105,7 +105,7 @@ def test_reward_model_trains_then_scores_the_rollouts_of_ppo_and_grpo(model_dir,
     ]
     (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
     rm_dir = tmp_path / "rm"
-    flags = ["--dataset", str(tmp_path / "pairs.jsonl"), "--num-eval-pairs", "2", "--batch-size", "4", "--eval-every", "1"]
+    flags = ["--dataset", str(tmp_path / "pairs.jsonl"), "--num-eval", "2", "--batch-size", "4", "--eval-every", "1"]
     run_here(
         monkeypatch,
         "reward_model.py",
