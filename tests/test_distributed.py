@@ -30,6 +30,7 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2) -> list[str]:
         return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
     if script == "reward_model.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--num-eval", "2", "--learning-rate", "1e-3"]
+    shared += ["--learning-rate", "1e-4"]  # the built-in model's rate: a folder gets a pretrained model's 1e-6
     if script == "ppo.py":
         return shared + ["--num-prompts", "8", "--num-minibatches", "1", "--num-epochs", "1"]
     return shared + ["--num-prompts", "4", "--group-size", "4", "--num-minibatches", "1"]

@@ -42,8 +42,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, tmp_path, monk
     if script in ("dpo.py", "reward_model.py"):
         pairs = tmp_path / "pairs.jsonl"
         pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(6)))
-        flags += ["--dataset", str(pairs), "--batch-size", "4", "--total-steps", "3", "--eval-every", "2", "--device", "cpu"]
-        flags += ["--num-eval", "2"] if script == "reward_model.py" else []
+        flags += ["--dataset", str(pairs), "--num-eval", "2", "--batch-size", "4", "--total-steps", "3", "--eval-every", "2"]
+        flags += ["--device", "cpu"]
     else:
         flags += [*SMALL, "--total-steps", "3", "--eval-every", "2", "--num-prompts", "2", "--group-size", "4"]
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "whole"))
