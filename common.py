@@ -62,13 +62,18 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     eos_ids, pad_token_id = torch.tensor(eos_token_ids(model, tokenizer), device=prompt_ids.device), tokenizer.pad_token_id
     if not prompt_mask[:, -1].all():
         raise ValueError("generate needs left-padded prompts (see tokenize_prompts)")
-    input_ids, attention_mask = prompt_ids, prompt_mask
-    position_ids = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # positions count from each row's first real token
+    # the prompt pass, the longest, runs once per distinct prompt (a group's G copies share it); its cache is then copied
+    distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    input_ids, attention_mask = distinct.split(prompt_ids.shape[1], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # positions count from each row's first real token
     cache, done, tokens = DynamicCache(), torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []
-    for _ in range(max_new_tokens):
+    for t in range(max_new_tokens):
         with autocast(prompt_ids.device):
             out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()  # (B, V)
+        if t == 0:  # from the distinct prompts back to every row
+            logits, attention_mask, position_ids = logits[rows], prompt_mask, position_ids[rows]
+            cache.reorder_cache(rows)
         probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
         finite = torch.isfinite(logits).all() and (probs is None or torch.isfinite(probs).all())
         if not dist.true_on_every_rank(finite):  # under torchrun every rank stops here, none waits for another

@@ -22,15 +22,18 @@ def test_completion_mask_runs_through_the_first_eos_only():
 class ScriptedModel(torch.nn.Module):
     """Stands in for a causal LM: row i emits token 5 until step script[i], then EOS (script[i] = -1: never EOS)."""
 
-    def __init__(self, script, eos, vocab=20):
+    def __init__(self, script, eos, prompt_ids, vocab=20):
         super().__init__()
-        self.script, self.eos, self.vocab, self.step = script, eos, vocab, 0
+        self.script, self.eos, self.prompt_ids, self.vocab, self.step = script, eos, prompt_ids, vocab, 0
         self.calls = 0
 
     def forward(self, input_ids, **kwargs):
         logits = torch.full((len(input_ids), input_ids.shape[1], self.vocab), -10.0)
-        for i, stop in enumerate(self.script):
-            logits[i, -1, self.eos if self.step == stop else 5] = 10.0
+        rows = range(len(input_ids))  # after the prompt pass, every row in order
+        if self.step == 0:  # the prompt pass: each distinct prompt once (a repeated prompt's rows must agree here)
+            rows = [next(j for j, p in enumerate(self.prompt_ids) if torch.equal(p, row)) for row in input_ids]
+        for i, row in enumerate(rows):
+            logits[i, -1, self.eos if self.step == self.script[row] else 5] = 10.0
         self.step, self.calls = self.step + 1, self.calls + 1
         return type("Out", (), {"logits": logits})()
 
@@ -39,12 +42,12 @@ def test_generate_marks_eos_padding_and_truncation():
     tokenizer = sft.build_tokenizer()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45=", "7+7=", "99+99="], torch.device("cpu"))
-    model = ScriptedModel([0, 2, 5, -1], eos)
+    model = ScriptedModel([0, 2, 5, -1], eos, prompt_ids)
     ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, temperature=0.0)
     assert ids.tolist() == [[eos, pad, pad, pad, pad], [5, 5, eos, pad, pad], [5, 5, 5, 5, 5], [5, 5, 5, 5, 5]]
     assert mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1] * 5, [1] * 5]
     assert truncated.tolist() == [False, False, True, True]
-    model = ScriptedModel([0, 1, 2, 1], eos)  # every row ends by the third token: generation stops there
+    model = ScriptedModel([0, 1, 2, 1], eos, prompt_ids)  # every row ends by the third token: generation stops there
     ids, mask, truncated = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, temperature=0.0)
     assert model.calls == 3 and ids.shape == (4, 3) and not truncated.any()
     assert common.decode(tokenizer, ids, mask, truncated) == ["", "2", "22", "2"]  # token 5 is the character "2"
@@ -95,11 +98,20 @@ def test_logprobs_match_the_sampling_distribution_at_temperature():
 
 
 def test_generate_greedy_picks_the_argmax_and_matches_a_full_forward():
+    """The KV-cached loop agrees with a full forward, for prompts that repeat (as a group's do), whose prompt pass runs
+    once per distinct prompt and whose cache is then copied to every row."""
     model, *_ = tiny_model()
     tokenizer = sft.build_tokenizer()
-    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1+2=", "13+45="], torch.device("cpu"))
-    assert not prompt_mask[0].all()  # the first prompt is left-padded
+    prompts = ["13+45=", "1+2=", "13+45=", "7+7=", "1+2=", "13+45="]
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, torch.device("cpu"))
+    assert not prompt_mask[1].all()  # a left-padded prompt
+    rows_per_pass = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: rows_per_pass.append(len(args[0] if args else kwargs["input_ids"])), with_kwargs=True
+    )
     ids, mask, _ = common.generate(model, tokenizer, prompt_ids, prompt_mask, 5, 0.0)
+    assert rows_per_pass[0] == 3 and set(rows_per_pass[1:]) == {6}  # the prompt pass on the 3 distinct prompts
+    rows_per_pass.clear()
     input_ids = torch.cat([prompt_ids, ids], dim=1)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
     logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, ids.shape[1], 1.0)
@@ -211,9 +223,10 @@ def test_evaluate_scores_greedy_answers_against_the_held_out_split():
     import datasets
 
     tokenizer = sft.build_tokenizer()
-    model = ScriptedModel([1, 2, 1, -1], tokenizer.eos_token_id)
-    model.weight = torch.nn.Parameter(torch.zeros(1))  # evaluate reads the device from the parameters
     data = datasets.Dataset.from_dict({"prompt": ["1+1=", "11+11=", "1+1=", "1+1="], "answer": ["2", "22", "3", "2"]})
+    prompt_ids, _ = common.tokenize_prompts(tokenizer, list(data["prompt"]), torch.device("cpu"))
+    model = ScriptedModel([1, 2, 1, -1], tokenizer.eos_token_id, prompt_ids)
+    model.weight = torch.nn.Parameter(torch.zeros(1))  # evaluate reads the device from the parameters
     task = tasks.Task("scripted", data, data, tasks.addition_answer)
     out = common.evaluate(model, tokenizer, task, max_new_tokens=3)
     assert out["eval/accuracy"] == pytest.approx(0.5)  # rows 0 and 1 right; row 2 wrong; row 3 truncated at "222"
