@@ -1,0 +1,322 @@
+"""A real pretrained chat model on this machine: SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the CPU.
+
+    pip install matplotlib gguf accelerate   # the chart; transformers' GGUF loader for prepare_smollm2.py
+    python benchmark_real_model.py           # about 45 minutes on a 2-core CPU, alone
+
+Four measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
+learning curve (docs/real-model/accuracy.png):
+1. learning: grpo.py on the sums task with the command of docs/real-model.md: the whole command's minutes and peak
+   resident memory, the held-out accuracy at every evaluation, and what the model answered before and after;
+2. every script for 2 steps with a small batch and its defaults for a pretrained model: seconds per step, peak memory;
+3. grpo.py for 2 steps with one memory or speed flag changed at a time;
+4. one GRPO step taken apart in a fresh process: generation, the no-grad log-prob passes and the update, each timed,
+   the peak memory after each, and generation's time by operator (torch.profiler).
+Complete runs under --runs-dir are reused unless --fresh, so an interrupted benchmark resumes where it stopped.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+import prepare_smollm2
+
+LEARN = ["--task", "sums", "--num-prompts", "4", "--group-size", "8", "--learning-rate", "1e-5", "--beta", "0"]
+LEARN += ["--total-steps", "16", "--eval-every", "4"]  # the command of docs/real-model.md
+TWO_STEPS = ["--task", "sums", "--total-steps", "2", "--eval-every", "100", "--save-every", "100"]  # evaluated twice
+FLAG_VARIANTS = {
+    "defaults (4 prompts x 8, 24 new tokens, beta 0.04, 2 minibatches)": [],
+    "--beta 0 (no reference model)": ["--beta", "0"],
+    "--micro-batch-size 4": ["--micro-batch-size", "4"],
+    "--gradient-checkpointing": ["--gradient-checkpointing"],
+    "--micro-batch-size 4 --gradient-checkpointing --beta 0": ["--micro-batch-size", "4", "--gradient-checkpointing"]
+    + ["--beta", "0"],
+    "--max-new-tokens 48": ["--max-new-tokens", "48"],
+}
+
+
+@dataclass
+class Args:
+    model_dir: str = ""
+    """the model folder (default: prepare_smollm2.py's, prepared now if missing)"""
+    runs_dir: str = "runs/real-model"
+    """where the runs go"""
+    docs_dir: str = "docs/real-model"
+    """where the chart and the tables go"""
+    fresh: bool = False
+    """rerun even when a complete run exists"""
+
+
+def run_measured(script: str, flags: list[str], out: str, fresh: bool) -> dict:
+    """`python SCRIPT.py FLAGS --output-dir OUT` with the hub offline, unless OUT holds a complete run; returns the
+    rows of its metrics.jsonl and, in measured.json, the whole command's seconds and its peak resident memory (the
+    process's own high-water mark, from wait4)."""
+    if fresh or not os.path.isfile(os.path.join(out, "measured.json")):
+        os.makedirs(out, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+        print(f"{script} {' '.join(flags)} ...", flush=True)
+        start = time.time()
+        with open(os.path.join(out, "log.txt"), "w") as log:
+            process = subprocess.Popen([sys.executable, script, *flags, "--output-dir", out], env=env, stdout=log, stderr=log)
+            _, status, usage = os.wait4(process.pid, 0)
+        if os.waitstatus_to_exitcode(status):
+            raise SystemExit(f"{script} failed; see {out}/log.txt")
+        measured = {"seconds": time.time() - start, "peak_bytes": usage.ru_maxrss * 1024}  # kilobytes on Linux
+        with open(os.path.join(out, "measured.json"), "w") as f:
+            json.dump(measured, f)
+    with open(os.path.join(out, "measured.json")) as f:
+        measured = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        measured["rows"] = [json.loads(line) for line in f]
+    return measured
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def step_seconds(rows: list[dict], key: str = "time/step") -> str:
+    values = [r[key] for r in rows if key in r]
+    return f"{sum(values) / len(values):.1f}" if values else "-"
+
+
+def learning(args: Args) -> list[str]:
+    run = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
+    evals = [(r["step"], r["time/elapsed"], r["eval/accuracy"]) for r in run["rows"] if "eval/accuracy" in r]
+    plot_learning(evals, os.path.join(args.docs_dir, "accuracy.png"))
+    with open(f"{args.runs_dir}/learn/samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    lines = [
+        f"`python grpo.py --model-name-or-path MODEL_DIR {' '.join(LEARN)}`: {run['seconds'] / 60:.1f} minutes for the "
+        f"whole command, peak resident memory {gib(run['peak_bytes'])} GiB, {step_seconds(run['rows'])} s per step "
+        f"(rollout {step_seconds(run['rows'], 'time/rollout')} s) on average, each evaluation "
+        f"{eval_seconds(run['rows']):.0f} s.",
+        "",
+        "| step | minutes | held-out accuracy | greedy response length (tokens) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in run["rows"]:
+        if "eval/accuracy" in r:
+            length = r.get("eval/response_length", float("nan"))
+            lines.append(f"| {r['step']} | {r['time/elapsed'] / 60:.1f} | {r['eval/accuracy']:.1%} | {length:.1f} |")
+    first, last = samples[0]["step"], samples[-1]["step"]
+    lines += ["", "What the model answered (the first held-out prompts, greedy):", ""]
+    lines += ["| prompt | answer | at the start | at the end |", "| --- | --- | --- | --- |"]
+    before = [s for s in samples if s["step"] == first]
+    after = [s for s in samples if s["step"] == last]
+    for b, a in zip(before, after):
+        question = b["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+        cell = lambda s: s["completion"].replace("\n", " ").replace("|", "\\|")  # noqa: E731
+        lines.append(f"| {question} | {b['answer']} | {cell(b)} | {cell(a)} |")
+    return lines
+
+
+def eval_seconds(rows: list[dict]) -> float:
+    """The mean time of an evaluation after a step: the step's wall-clock time not counted in time/step."""
+    gaps = [b["time/elapsed"] - a["time/elapsed"] - b["time/step"] for a, b in zip(rows, rows[1:]) if "eval/accuracy" in b]
+    return sum(gaps) / max(1, len(gaps))
+
+
+def plot_learning(evals: list[tuple[int, float, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot([e[1] / 60 for e in evals], [e[2] for e in evals], marker="o")
+    for step, minutes, accuracy in evals:
+        ax.annotate(f"step {step}", (minutes / 60, accuracy), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_title("SmolLM2-135M-Instruct, grpo.py on the sums task (CPU, 2 cores)", fontsize=10)
+    ax.set_xlabel("minutes since the start of training (model loaded)")
+    ax.set_ylabel("held-out accuracy (greedy, 200 problems)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def every_script(args: Args) -> list[str]:
+    pairs = os.path.join(args.runs_dir, "pairs.jsonl")
+    write_pairs(args.model_dir, pairs)
+    lines = ["| script | flags beyond the model and `" + " ".join(TWO_STEPS) + "` | seconds per step | whole command (s) "]
+    lines[0] += "| peak resident memory (GiB) |"
+    lines.append("| --- | --- | --- | --- | --- |")
+    group = ["--num-prompts", "4", "--group-size", "8"]
+    per_script = {s: group for s in ("grpo", "rloo", "dr_grpo", "dapo", "gspo")}
+    per_script["ppo"] = ["--num-prompts", "32"]
+    per_script["dpo"] = per_script["reward_model"] = ["--dataset", pairs, "--num-eval", "64", "--batch-size", "32"]
+    for script, flags in per_script.items():
+        run = run_measured(
+            f"{script}.py",
+            ["--model-name-or-path", args.model_dir, *TWO_STEPS, *flags],
+            f"{args.runs_dir}/{script}",
+            args.fresh,
+        )
+        shown = " ".join(flags).replace(pairs, "pairs.jsonl")
+        lines.append(
+            f"| `{script}.py` | `{shown}` | {step_seconds(run['rows'])} | {run['seconds']:.0f} | {gib(run['peak_bytes'])} |"
+        )
+    return lines
+
+
+def write_pairs(model_dir: str, path: str) -> None:
+    """400 preference pairs on sums prompts rendered with the model's chat template: the correct one-line sum chosen over
+    one off by 1 or 10, with the answer column, so that dpo.py also answers the held-out prompts."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    import tasks
+
+    tokenizer, rng = AutoTokenizer.from_pretrained(model_dir), random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(400):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            turns = [
+                {"role": "system", "content": tasks.INSTRUCTIONS["sums"]},
+                {"role": "user", "content": f"What is {a} + {b}?"},
+            ]
+            prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            wrong = a + b + rng.choice([-10, -1, 1, 10])
+            row = {
+                "prompt": prompt,
+                "chosen": f"{a} + {b} = {a + b}",
+                "rejected": f"{a} + {b} = {wrong}",
+                "answer": str(a + b),
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def flag_variants(args: Args) -> list[str]:
+    """grpo.py for 2 steps per variant, on the sums prompts from a file with 2 held out, so that the evaluations (which
+    the flags do not change) take no time."""
+    lines = ["| grpo.py, 2 steps | seconds per step | rollout (s) | peak resident memory (GiB) |", "| --- | --- | --- | --- |"]
+    sums = os.path.join(args.runs_dir, "sums.jsonl")
+    with open(sums, "w") as f:
+        f.writelines(
+            json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n" for a in range(10, 30) for b in (17, 58)
+        )
+    group = ["--num-prompts", "4", "--group-size", "8", "--dataset", sums, "--num-eval", "2"]
+    for i, (label, flags) in enumerate(FLAG_VARIANTS.items()):
+        run = run_measured(
+            "grpo.py",
+            ["--model-name-or-path", args.model_dir, *TWO_STEPS, *group, *flags],
+            f"{args.runs_dir}/flags{i}",
+            args.fresh,
+        )
+        rollout = step_seconds(run["rows"], "time/rollout")
+        lines.append(f"| {label} | {step_seconds(run['rows'])} | {rollout} | {gib(run['peak_bytes'])} |")
+    return lines
+
+
+def step_probe(model_dir: str) -> dict:
+    """In this (fresh) process, one GRPO step of grpo.py's defaults on `model_dir` (4 prompts x 8 responses of up to 24
+    tokens, a reference model, two minibatches) taken apart: each phase timed, the process's peak resident memory after
+    each, the sizes of the weights and the optimizer's state, and generation's self time by operator."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import common
+    import tasks
+    from plumbing import models
+
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
+    result, cpu = {"phases": []}, torch.device("cpu")
+
+    def phase(name, fn):
+        start = time.time()
+        value = fn()
+        result["phases"].append({"phase": name, "seconds": time.time() - start, "peak_after": peak()})
+        return value
+
+    torch.manual_seed(1)
+    policy, tokenizer = phase("load the policy", lambda: models.load_model_and_tokenizer(model_dir, "", cpu, "sums"))
+    ref_policy = phase("load the reference", lambda: models.load_model_and_tokenizer(model_dir, "", cpu, "sums")[0])
+    task = tasks.apply_chat_template(tasks.make_task("sums"), tokenizer, "auto")
+    prompts = [p for p in task.train[:4]["prompt"] for _ in range(8)]
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, cpu)
+    with torch.no_grad():
+        completion_ids, mask, _ = phase(
+            "generate 32 responses", lambda: common.generate(policy, tokenizer, prompt_ids, prompt_mask, 24, 1.0)
+        )
+    input_ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask.long()], 1)
+    T = completion_ids.shape[1]
+    phase("old log-probs (no grad)", lambda: common.logprobs_no_grad(policy, input_ids, attention, T, 1.0, 16))
+    phase("reference log-probs (no grad)", lambda: common.logprobs_no_grad(ref_policy, input_ids, attention, T, 1.0, 16))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
+    advantages = torch.randn(len(input_ids))
+
+    def update():  # two minibatches of 16, one optimizer step each, like grpo.py's defaults
+        for idx in torch.arange(len(input_ids)).split(16):
+            optimizer.zero_grad()
+            logprobs, _ = common.completion_logprobs(policy, input_ids[idx], attention[idx], T, 1.0)
+            (-(logprobs * advantages[idx, None] * mask[idx]).sum() / mask[idx].sum()).backward()
+            optimizer.step()
+
+    phase("update (2 minibatches of 16: forward, backward, AdamW)", update)
+    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
+    result["weights_bytes"] = weights
+    result["adam_bytes"] = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim())
+    result["tokens"] = T
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.time()
+        common.generate(policy, tokenizer, prompt_ids, prompt_mask, 24, 1.0)
+        result["profiled_generate_seconds"] = time.time() - start
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    result["generate_ops"] = [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in ops[:10]]
+    return result
+
+
+def step_split(model_dir: str) -> list[str]:
+    code = f"import benchmark_real_model as b, json; print(json.dumps(b.step_probe({model_dir!r})))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    if done.returncode:
+        raise SystemExit(f"the step probe failed:\n{done.stderr[-3000:]}")
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = ["| phase | seconds | peak resident memory after it (GiB) |", "| --- | --- | --- |"]
+    lines += [f"| {p['phase']} | {p['seconds']:.1f} | {gib(p['peak_after'])} |" for p in m["phases"]]
+    lines += ["", f"Weights {gib(m['weights_bytes'])} GiB (fp32), AdamW's two moments {gib(m['adam_bytes'])} GiB; "]
+    lines[-1] += f"{m['tokens']} new tokens per response. Generation (profiled again: {m['profiled_generate_seconds']:.1f} s)"
+    lines[-1] += " by operator, self time:"
+    lines += ["", "| operator | share of generation's self time | calls |", "| --- | --- | --- |"]
+    lines += [f"| `{o['op']}` | {o['share']:.1%} | {o['calls']} |" for o in m["generate_ops"]]
+    return lines
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    args.model_dir = args.model_dir or prepare_smollm2.prepare()
+    os.makedirs(args.docs_dir, exist_ok=True)
+    os.makedirs(args.runs_dir, exist_ok=True)
+    when = time.strftime("%Y-%m-%d")
+    sections = [
+        f"`python benchmark_real_model.py` on {when}: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
+        "",
+        "## Learning",
+        "",
+        *learning(args),
+        "",
+        "## Every script, 2 steps",
+        "",
+        *every_script(args),
+        "",
+        "## One flag at a time",
+        "",
+        *flag_variants(args),
+        "",
+        "## One step taken apart",
+        "",
+        *step_split(args.model_dir),
+    ]
+    with open(os.path.join(args.docs_dir, "results.md"), "w") as f:
+        f.write("\n".join(sections) + "\n")
+    print("\n".join(sections))
