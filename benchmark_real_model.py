@@ -1,6 +1,6 @@
 """A real pretrained chat model on this machine: SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the CPU.
 
-    pip install matplotlib gguf accelerate   # the chart; transformers' GGUF loader for prepare_smollm2.py
+    pip install matplotlib                   # the chart
     python benchmark_real_model.py           # about 45 minutes on a 2-core CPU, alone
 
 Four measurements, each script in its own process, one after another, written to docs/real-model/results.md with the

