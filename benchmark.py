@@ -1,7 +1,7 @@
 """Reference results: every algorithm with its default settings, over several seeds, on each built-in task.
 
     pip install matplotlib                    # only this script needs it
-    python benchmark.py                       # 2 tasks x 7 algorithms x 3 seeds, one after another (hours on a CPU)
+    python benchmark.py                       # 2 tasks x 11 algorithms x 3 seeds, one after another (hours on a CPU)
     python benchmark.py --tasks addition      # one task: about 50 minutes on a 2-core CPU (one thread)
     python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
 
@@ -24,7 +24,7 @@ import common
 import tasks
 from plumbing import checks
 
-ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo"]
+ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo", "cispo", "reinforce_pp", "sapo", "opd"]
 TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to X%" column
 
 
@@ -71,6 +71,11 @@ def run_all(args: Args, task: str) -> dict:
                 flags += ["--total-steps", "10", "--eval-every", "5"] + (
                     ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
                 )
+            if algorithm == "opd":  # its teacher: grpo.py's model of the same task and seed, from the same warm-up
+                teacher = os.path.join(args.runs_dir, task, f"grpo__{seed}", "model")
+                if not complete(os.path.join(os.path.dirname(teacher), "metrics.jsonl")):
+                    raise SystemExit(f"opd needs the teacher {teacher}: run grpo first (--algorithms grpo opd)")
+                flags += ["--teacher", teacher]
             out = os.path.join(args.runs_dir, task, f"{algorithm}__{seed}")
             results[algorithm].append(run_once(algorithm, flags, out, args.fresh, f"{task}: {algorithm} seed {seed}"))
     return results
@@ -148,8 +153,8 @@ def minutes_to(rows, accuracy: float):
 
 
 # The KL estimator each script logs as kl/ref (per token, in nats): k3 in grpo.py's loss, k1 of the reward penalty in
-# rloo.py and ppo.py; the other scripts log it only with --beta > 0 (k3).
-KL_ESTIMATOR = {"grpo": "k3", "rloo": "k1", "ppo": "k1", "dr_grpo": "k3", "dapo": "k3", "gspo": "k3"}
+# rloo.py and ppo.py, k2 in reinforce_pp.py's loss; the other scripts log it only with --beta > 0 (k3).
+KL_ESTIMATOR = {"grpo": "k3", "rloo": "k1", "ppo": "k1", "dr_grpo": "k3", "dapo": "k3", "gspo": "k3", "reinforce_pp": "k2"}
 
 
 def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "step", window: int = 10, label=None) -> bool:
@@ -240,6 +245,7 @@ def plot_task(results: dict, task: str, d: str) -> None:
         ("rollout/truncated_frac", "responses cut at --max-new-tokens", "fraction of the step's responses", "truncated"),
         ("train/clip_frac_high", "clipped tokens with a positive advantage", "fraction of valid tokens", "clip_frac_high"),
         ("train/clip_frac_low", "clipped tokens with a negative advantage", "fraction of valid tokens", "clip_frac_low"),
+        ("kl/teacher", "reverse KL to the teacher (opd.py)", "nats per token (k1)", "kl_teacher"),
     ):
         plot(results, key, f"{task}: {what}{smoothed}", unit, f"{d}/{name}.png")
     title = f"{task}: zero-variance groups, which get no gradient from a group baseline{smoothed}"

@@ -115,11 +115,11 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
+    checks.flag(args, "teacher", "is required: a model folder or hub id, e.g. runs/grpo__1/model", lambda v: v != "")  # OPD
+    checks.flag(args, "reward_model", "is not used by opd.py, which learns from --teacher", lambda v: v == "")
     checks.rl_flags(args)
     checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     checks.flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
-    checks.flag(args, "teacher", "is required: a model folder or hub id, e.g. runs/grpo__1/model", lambda v: v != "")  # OPD
-    checks.flag(args, "reward_model", "is not used by opd.py, which learns from --teacher", lambda v: v == "")
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "

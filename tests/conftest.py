@@ -11,3 +11,21 @@ def model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("warm") / "model")
     sft.warm_up(sft.Args(output_dir=path, max_steps=30, check_every=30, target_accuracy=2.0, num_check=100, device="cpu"))
     return path
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(model_dir, tmp_path_factory):
+    """A teacher for opd.py that disagrees with the student (model_dir) from the first step: the same model with every
+    weight moved by seeded noise, the same tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("teacher") / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return path

@@ -11,18 +11,22 @@ import pytest
 import torch
 from test_smoke import ROOT, run_here
 
+import cispo
 import dapo
 import dpo
 import dr_grpo
 import grpo
 import gspo
+import opd
 import ppo
+import reinforce_pp
 import rloo
+import sapo
 import sft
 import tasks
 from plumbing import checks, hub, models
 
-RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo]
+RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo, cispo, reinforce_pp, sapo]  # opd.py needs --teacher: below
 NAN, INF = float("nan"), float("inf")
 
 
@@ -53,7 +57,7 @@ def test_every_rl_script_refuses_shared_flags_out_of_range(module, flag, value, 
     refused(module, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
 
 
-@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo, reinforce_pp], ids=lambda m: m.__name__)
 @pytest.mark.parametrize("value", [1.5, 1.0, 0.0, -0.2, NAN])
 def test_clip_range_must_lie_in_0_1(module, value):
     refused(module, f"--clip-eps {value}: must be in (0, 1)", clip_eps=value)
@@ -63,6 +67,43 @@ def test_clip_range_must_lie_in_0_1(module, value):
 @pytest.mark.parametrize("flag", ["clip_eps_low", "clip_eps_high"])
 def test_decoupled_clip_ranges_must_lie_in_0_1(module, flag):
     refused(module, f"--{flag.replace('_', '-')} 1.0: must be in (0, 1)", **{flag: 1.0})
+
+
+@pytest.mark.parametrize(
+    "module, flag, value, allowed",
+    [
+        (cispo, "clip_eps_low", 1.5, "must be in (0, 1]: the weight is at least 1 - eps_low"),
+        (cispo, "clip_eps_low", 0.0, "must be in (0, 1]"),
+        (cispo, "clip_eps_high", -0.1, "must be positive: the weight is at most 1 + eps_high"),
+        (sapo, "tau_pos", 0.0, "must be positive: the gate is sigmoid(tau (r - 1)) * 4 / tau"),
+        (sapo, "tau_neg", NAN, "must be positive"),
+        (opd, "teacher", "", "is required: a model folder or hub id, e.g. runs/grpo__1/model"),
+    ],
+)
+def test_the_new_scripts_refuse_their_own_flags_out_of_range(module, flag, value, allowed):
+    refused(module, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
+
+
+def test_opd_refuses_a_reward_model_and_shared_flags_out_of_range():
+    refused(opd, "--reward-model rm: is not used by opd.py, which learns from --teacher", teacher="t", reward_model="rm")
+    refused(opd, "--beta -0.1: must be 0 (no KL penalty) or positive", teacher="t", beta=-0.1)
+
+
+def test_opd_refuses_a_teacher_with_another_tokenizer(monkeypatch, tmp_path, model_dir):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<extra>"])  # one token more: another vocabulary
+    tokenizer.save_pretrained(other)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if os.path.exists(os.path.join(model_dir, name)):
+            os.symlink(os.path.join(model_dir, name), other / name)
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(
+            monkeypatch, "opd.py", "--model-name-or-path", model_dir, "--teacher", str(other), "--output-dir", str(tmp_path)
+        )
+    assert str(exit_info.value.code) == f"--teacher {other}: its tokenizer differs from the student's; both must share one"
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,11 @@ import tasks
 from plumbing import checks, models, run_state
 
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
+SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py"]
 SHARDED = ["grpo.py", "ppo.py"]
 
 
-def flags(script: str, model_dir: str, pairs: str, steps: int = 2) -> list[str]:
+def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "") -> list[str]:
     """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes."""
     shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", str(steps), "--save-every", "1"]
     shared += ["--eval-every", "2", "--max-new-tokens", "4"]
@@ -33,11 +34,13 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2) -> list[str]:
     shared += ["--learning-rate", "1e-4"]  # the built-in model's rate: a folder gets a pretrained model's 1e-6
     if script == "ppo.py":
         return shared + ["--num-prompts", "8", "--num-minibatches", "1", "--num-epochs", "1"]
+    if script == "opd.py":  # with a reference too, so that both frozen models are loaded and prepared
+        shared += ["--teacher", teacher, "--beta", "0.04"]
     return shared + ["--num-prompts", "4", "--group-size", "4", "--num-minibatches", "1"]
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir, tmp_path_factory):
+def runs(model_dir, teacher_dir, tmp_path_factory):
     """Every script for 2 steps under `torchrun --nproc-per-node 2` (DDP), grpo.py and ppo.py again with --fsdp on the
     same rollouts, and sft.py: all in one torchrun. Returns the folder with ddp/, fsdp/, rollouts/ and sft/."""
     root = tmp_path_factory.mktemp("distributed")
@@ -46,7 +49,7 @@ def runs(model_dir, tmp_path_factory):
     jobs = []
     for script in SCRIPTS:
         name = script[:-3]
-        argv = flags(script, model_dir, str(pairs))
+        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir)
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
         jobs[-1]["rollouts"] = "" if script in ("dpo.py", "reward_model.py") else str(root / "rollouts" / name)
         if script in SHARDED:
@@ -87,18 +90,20 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, model_dir, monkeypatch, script):
+def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, model_dir, teacher_dir, monkeypatch, script):
     """The weights after the first optimizer step (and the second) of 2 ranks equal, to 1e-5, those of one process that
     replays the union of the 2 ranks' rollouts (DPO: of their pairs) with the same flags. Global reductions enter here:
-    PPO's whitening and token mean, DAPO's token mean and kept groups, every script's mean over responses. The first
-    update moves some weight by more than 1e-5, so a missing average or a rank-local normaliser would show."""
+    PPO's whitening and token mean, DAPO's and CISPO's token means, DAPO's kept groups, REINFORCE++'s batch std, every
+    script's mean over responses. The first update moves some weight by more than 1e-5, so a missing average or a
+    rank-local normaliser would show."""
     name = script[:-3]
     monkeypatch.setattr(tasks.Task, "reward", text_reward)
     monkeypatch.setattr(run_state.Checkpoint, "save", keep_every_checkpoint())
     if script not in ("dpo.py", "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
-    run_here(monkeypatch, script, *flags(script, model_dir, str(runs / "pairs.jsonl")), "--output-dir", str(one))
+    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir)
+    run_here(monkeypatch, script, *argv, "--output-dir", str(one))
     for step in (1, 2):
         ranks, single = trained(runs / "ddp" / name / f"checkpoint.pt.{step}"), trained(one / f"checkpoint.pt.{step}")
         assert max_difference(ranks, single) < 1e-5, f"step {step}"

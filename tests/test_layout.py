@@ -22,7 +22,18 @@ PRODUCT = sorted(  # every Python file of the project but the tests (and hidden 
 
 
 @pytest.mark.parametrize(
-    "script, budget", [("rloo.py", 50), ("dr_grpo.py", 40), ("gspo.py", 40), ("dapo.py", 140), ("ppo.py", 240)]
+    "script, budget",
+    [
+        ("rloo.py", 50),
+        ("dr_grpo.py", 40),
+        ("gspo.py", 40),
+        ("dapo.py", 140),
+        ("ppo.py", 240),
+        ("cispo.py", 60),
+        ("reinforce_pp.py", 50),
+        ("sapo.py", 40),
+        ("opd.py", 80),
+    ],
 )
 def test_diff_budget_against_grpo(script, budget):
     """A sibling changes grpo.py only where its algorithm differs: lines starting with < or > in `diff grpo.py X`."""

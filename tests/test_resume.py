@@ -31,12 +31,12 @@ def interrupt_after(step):
     return log_then_interrupt
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py", "dpo.py", "reward_model.py"])
-def test_interrupted_then_resumed_equals_uninterrupted(model_dir, tmp_path, monkeypatch, script):
+@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "ppo.py", "dpo.py", "reward_model.py", "opd.py"])
+def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tmp_path, monkeypatch, script):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
     have come) and --resume: every logged metric but time/*, the samples and the final weights agree. grpo.py stands for
     its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too, dpo.py and
-    reward_model.py walk pairs."""
+    reward_model.py walk pairs, opd.py has a teacher."""
     monkeypatch.setattr(tasks.Task, "reward", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4"]
     if script in ("dpo.py", "reward_model.py"):
@@ -46,6 +46,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, tmp_path, monk
         flags += ["--device", "cpu"]
     else:
         flags += [*SMALL, "--total-steps", "3", "--eval-every", "2", "--num-prompts", "2", "--group-size", "4"]
+        flags += ["--teacher", teacher_dir] if script == "opd.py" else []
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "whole"))
 
     monkeypatch.setattr(run_state.MetricsLogger, "log", interrupt_after(2))

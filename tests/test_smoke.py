@@ -57,10 +57,15 @@ def rows(output_dir):
         ("dr_grpo.py", ["train/ratio_max"]),
         ("gspo.py", ["train/clip_frac_low"]),
         ("ppo.py", ["loss/value", "train/explained_variance", "train/advantage_std", "kl/ref", "rollout/kl_penalty"]),
+        ("cispo.py", ["train/clip_frac_high", "train/clip_frac_high_negative"]),
+        ("reinforce_pp.py", ["kl/ref", "loss/kl"]),
+        ("sapo.py", ["train/gate_weight"]),
+        ("opd.py", ["kl/teacher", "rollout/gold_accuracy"]),
     ],
 )
-def test_end_to_end_through_the_command_line(monkeypatch, model_dir, tmp_path, script, keys):
+def test_end_to_end_through_the_command_line(monkeypatch, model_dir, teacher_dir, tmp_path, script, keys):
     flags = ["--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL]
+    flags += ["--teacher", teacher_dir] if script == "opd.py" else []
     flags += ["--gradient-checkpointing"] if script == "rloo.py" else []  # the same run, layers recomputed
     if script == "grpo.py":  # one script in a fresh interpreter, exactly as a user runs it
         result = run(script, *flags)
