@@ -13,7 +13,7 @@ Departures from the paper:
    warm-up policy, never reset.
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
-4. No KL term by default (beta = 0): the paper's objective has none; with --beta the k3 penalty of grpo.py is added to the loss.
+4. No KL term by default (beta = 0): the paper's objective has none; with --beta grpo.py's k3 penalty is added.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 6. The paper sets no lower bound on the weight (a large eps_low: here 1.0, so the weight is at least 0) and tunes only

@@ -8,13 +8,17 @@ import os
 import pytest
 import torch
 
+import cispo
 import common
 import dapo
 import dr_grpo
 import grpo
 import gspo
+import opd
 import ppo
+import reinforce_pp
 import rloo
+import sapo
 from helpers import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,23 +255,25 @@ def test_dynamic_sampling_keeps_exactly_the_groups_with_mixed_scores():
 # --- micro-batching --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo])
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo, cispo, reinforce_pp, sapo, opd])
 def test_micro_batches_leave_the_gradient_unchanged(module):
     """One minibatch of 6 responses through a real model, whole or in micro-batches of 2 and 3, with beta = 0.04 (the k3
     term, in the scripts that have it in their loss): each micro-batch returns its share of the minibatch's loss, so the
     gradient is the same, up to the order in which fp32 adds the 6 responses' contributions."""
     model, input_ids, attention_mask, mask = tiny_model(batch=6, seed=1)
     advantages, args = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3]), module.Args(beta=0.04, max_new_tokens=8)
+    if module is opd:  # a per-token advantage: the response's, varied along its tokens
+        advantages = advantages[:, None] * torch.linspace(0.5, 1.5, mask.shape[1])
     # log pi - log pi_old per response: GSPO clips responses 0 (A > 0) and 5 (A < 0) as a whole, and not 1, 2 and 4
     offsets = torch.tensor([0.01, 1e-4, 1e-4, 0.01, 0.0, -0.01])[:, None]
     with torch.no_grad():
         old = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)[0] - offsets
         ref = old - 0.1 * torch.arange(mask.shape[1]) / mask.shape[1]  # (B, T) the reference, away from the policy
         _, m = module.compute_loss(old + offsets, old, ref, advantages, mask, args)
-    clip_high = common.pool_metrics([m])["train/clip_frac_high"].item()
+    clip_high = common.pool_metrics([m]).get("train/clip_frac_high")  # (SAPO has a gate, not a clip)
     if module is gspo:  # positive advantages both clipped (response 0) and not (responses 2 and 4)
         assert clip_high == pytest.approx(mask[0].sum().item() / mask.sum().item())
-    normaliser = {"num_tokens": mask.sum()} if module is dapo else {"num_responses": 6}
+    normaliser = {"num_tokens": mask.sum()} if module in (dapo, cispo) else {"num_responses": 6}
 
     def gradient(micro):
         model.zero_grad()
@@ -287,7 +293,7 @@ def test_micro_batches_leave_the_gradient_unchanged(module):
 # --- numerics at masked positions ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo, ppo])
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, gspo, dapo, ppo, cispo, reinforce_pp, sapo, opd])
 def test_a_150_nat_gap_at_a_masked_position_leaves_the_gradient_finite(module):
     """Padding after EOS can hold any log-prob. exp(150) overflows float32, and 0 * inf = NaN would flow back through
     the mask: the log-ratios (to pi_old, and k3's to pi_ref) must be masked before exp."""
@@ -299,6 +305,8 @@ def test_a_150_nat_gap_at_a_masked_position_leaves_the_gradient_finite(module):
         logprobs.grad = None
         if module is ppo:
             loss, metrics = ppo.compute_policy_loss(logprobs, old, advantages[:, None].expand(2, 3), mask, ppo.Args())
+        elif module is opd:  # a per-token advantage
+            loss, metrics = opd.compute_loss(logprobs, old, ref, advantages[:, None].expand(2, 3), mask, opd.Args(beta=0.1))
         else:
             loss, metrics = module.compute_loss(logprobs, old, ref, advantages, mask, module.Args(beta=0.1, max_new_tokens=8))
         loss.backward()

@@ -202,7 +202,7 @@ def test_dapo_filters_groups_on_accuracy_not_on_the_overlong_penalty(model_dir, 
     assert (sampled.min(dim=1).values < sampled.max(dim=1).values).any()  # some group's penalties did differ
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "gspo.py", "dapo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "gspo.py", "dapo.py", "ppo.py", "cispo.py"])
 def test_logged_metrics_do_not_depend_on_the_micro_batch_size(model_dir, tmp_path, monkeypatch, script):
     """The first step, whole minibatches against micro-batches of 3 responses (of different token counts): the same
     rollout, the same update up to float rounding, so every logged training metric agrees. PPO also early-stops on the
