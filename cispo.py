@@ -17,7 +17,8 @@ Departures from the paper:
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 6. The paper sets no lower bound on the weight (a large eps_low: here 1.0, so the weight is at least 0) and tunes only
-   eps_high, whose value it does not state; ours is DAPO's 0.28. ScaleRL (2025) uses CISPO with a much larger eps_high.
+   eps_high, whose value it does not state; ours is DAPO's 0.28 (ScaleRL-based recipes use 4 to 5). The paper also uses
+   DAPO's dynamic sampling and length penalty, and 16 off-policy updates per batch; here 2 (num_minibatches).
 """
 
 import os
@@ -148,7 +149,7 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4
 
 
 def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, num_tokens=None):
-    """Negative CISPO objective (MiniMax-M1 §3.1) on a batch of responses.
+    """Negative CISPO objective (MiniMax-M1 §3.1, eqs. 4-5) on a batch of responses.
 
     logprobs, old_logprobs, ref_logprobs, mask: (N, T); advantages: (N,). Per token:
     sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log pi_theta, minus beta * k3. Its gradient is the clipped weight

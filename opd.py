@@ -12,8 +12,9 @@ Departures from the papers:
 1. The verifier only measures (rollout/gold_accuracy, eval/accuracy); it never enters the loss.
 2. As in the 2025 recipe, the teacher's log-prob of the sampled token stands in for GKD's full-vocabulary KL, and a
    token's advantage is its own log-ratio (discount 0), not the sum over the tokens after it that the exact gradient of
-   the sequence's reverse KL would take: lower variance, a small bias.
-3. The update is grpo.py's clipped surrogate with a per-token advantage; G responses per prompt are G samples, no group.
+   the sequence's reverse KL would take (the recipe found a discount above 0 no better in practice).
+3. grpo.py's clipped surrogate and reduction (GKD's: a response's token mean, then over responses; the 2025 recipe sums
+   ratio * A unclipped); G responses per prompt are just G samples; the teacher scores at the sampling --temperature.
 4. No KL to a reference (beta = 0): the teacher anchors the student; --beta adds grpo.py's k3 penalty.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
@@ -143,7 +144,7 @@ def compute_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tenso
 
 
 def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, num_responses=None):
-    """Negative GRPO objective (DeepSeekMath eq. 3) on a batch of responses.
+    """Negative on-policy distillation objective on a batch of responses: grpo.py's, with a per-token advantage.
 
     logprobs, old_logprobs, ref_logprobs, advantages, mask: (N, T). Per token: the clipped surrogate
     min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) minus beta * k3.

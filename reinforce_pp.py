@@ -1,19 +1,20 @@
-"""REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and
-Reward Models", the -baseline variant for outcome rewards).
+"""REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global
+Normalization", §3.2, eqs. 6-8: the variant for outcome rewards).
 
 GRPO with two changes. The advantage subtracts the group's mean reward, as GRPO does, but then divides by the standard
 deviation of those centred rewards over the whole batch (every process's responses), not within the group: a group
 whose few correct answers differ by little keeps a small advantage instead of being blown up to unit scale. The KL
-penalty is the k2 estimator 1/2 (log pi_theta - log pi_ref)^2 in the loss, whose gradient is the gradient of
-KL(pi_theta || pi_ref) on policy (the gradient of GRPO's k3 estimates the other direction's). No critic.
+penalty is the k2 estimator 1/2 (log pi_theta - log pi_ref)^2 in the loss, whose gradient at each state has, on policy,
+the expectation grad KL(pi_theta || pi_ref) (the gradient of GRPO's k3 estimates the other direction's). No critic.
 
     python reinforce_pp.py
 
 Departures from the paper:
 1. The reward is a verifier (1 correct, 0 wrong) unless --reward-model names a learned one, and the reference model is the
    warm-up policy, never reset.
-2. The batch std is the population std (divide by the batch size). Where the KL goes is a choice: ms-swift and NeMo RL
-   subtract k1 from the reward; ours is k2 in the loss with grpo.py's beta (the same expected gradient on policy).
+2. The batch mean and std are over responses (one sample each, population std); verl and NeMo RL weight them by tokens.
+   The KL is the paper's k2 in the loss (plain REINFORCE++ subtracts k1 from the reward instead), with grpo.py's
+   beta = 0.04: the paper states no coefficient (OpenRLHF's examples use far smaller ones).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN), and so does a batch.
 4. The loss keeps grpo.py's clipped surrogate and reduction (the mean over a response's tokens, then over responses).
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
@@ -131,7 +132,7 @@ def check_args(args: Args) -> None:
 
 
 def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """A_i = R_i - mean(R of i's group), then A_i = (A_i - mean(A)) / (std(A) + eps) over the whole batch (REINFORCE++).
+    """A_i = R_i - mean(R of i's group) (eq. 6), then A_i = (A_i - mean(A)) / (std(A) + eps) over the whole batch (eq. 7).
 
     std is the population std over the batch; eps only guards the division. rewards: (N,), the whole batch (under
     torchrun, every process's), each group's G responses contiguous. The batch mean of A is 0 up to rounding (every group
@@ -159,7 +160,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     pg_loss = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)  # (N, T)
     loss = pg_loss
     if args.beta > 0:
-        # REINFORCE++: k2 = 1/2 (log pi_theta - log pi_ref)^2; its gradient (log pi_theta - log pi_ref) grad log pi_theta
+        # REINFORCE++ eq. 8: k2 = 1/2 (log pi_theta - log pi_ref)^2; its gradient (log pi_theta - log pi_ref) grad log pi_theta
         # has the expectation grad KL(pi_theta || pi_ref) at samples of pi_theta (on policy)
         kl = 0.5 * torch.where(mask, logprobs - ref_logprobs, 0.0) ** 2  # (N, T) >= 0
         loss = pg_loss + args.beta * kl

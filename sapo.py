@@ -174,7 +174,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
         metrics = {
             "loss/policy": reduce(pg_loss),
             "train/ratio": ratio[mask],  # logged as its mean, and its min and max (see the log section)
-            "train/gate_weight": (4 * gate * (1 - gate))[mask],  # SAPO: f'(r), the weight on a token's gradient; 1 at r = 1
+            "train/gate_weight": (4 * gate * (1 - gate))[mask],  # SAPO: f'(r); d loss / d log pi = -f'(r) r A; 1 at r = 1
             "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
         }
         if args.beta > 0:
