@@ -241,7 +241,6 @@ if __name__ == "__main__":
             ref_logprobs = common.logprobs_no_grad(
                 ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
             )
-
         teacher_logprobs = common.logprobs_no_grad(
             teacher, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
         )  # (B, T) OPD: the teacher at the student's own prefixes
