@@ -40,6 +40,9 @@ class Args:
     """a few steps, the first seed and the first task, to check the pipeline (to runs/benchmark-quick and docs/quick)"""
     fresh: bool = False
     """rerun even when a complete metrics.jsonl exists"""
+    no_run: bool = False
+    """run nothing: the tables and charts of the complete runs already there; an algorithm with fewer of --seeds is named
+    with its seeds (e.g. "cispo (seed 1)"), one with none is left out"""
     runs_dir: str = "runs/benchmark"
     """where the runs go"""
     docs_dir: str = "docs"
@@ -77,8 +80,22 @@ def run_all(args: Args, task: str) -> dict:
                     raise SystemExit(f"opd needs the teacher {teacher}: run grpo first (--algorithms grpo opd)")
                 flags += ["--teacher", teacher]
             out = os.path.join(args.runs_dir, task, f"{algorithm}__{seed}")
+            if args.no_run and not complete(os.path.join(out, "metrics.jsonl")):
+                print(f"{task}: {algorithm} seed {seed}: no complete run in {out}, left out (--no-run)", flush=True)
+                continue
             results[algorithm].append(run_once(algorithm, flags, out, args.fresh, f"{task}: {algorithm} seed {seed}"))
+        seeds = [s for s in args.seeds if complete(os.path.join(args.runs_dir, task, f"{algorithm}__{s}", "metrics.jsonl"))]
+        runs = results.pop(algorithm)
+        if runs:
+            results[name_with_seeds(algorithm, seeds, args.seeds)] = runs
     return results
+
+
+def name_with_seeds(algorithm: str, seeds: list[int], asked: list[int]) -> str:
+    """The algorithm's name in tables and legends, with its seeds when it has fewer than were asked for."""
+    return (
+        algorithm if len(seeds) == len(asked) else f"{algorithm} (seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))})"
+    )
 
 
 def run_once(script: str, flags: list[str], out: str, fresh: bool, label: str) -> list[dict]:

@@ -28,6 +28,12 @@ def test_minutes_to_accuracy():
     assert benchmark.minutes_to(rows, 0.99) is None
 
 
+def test_an_algorithm_with_fewer_seeds_is_named_with_them():
+    assert benchmark.name_with_seeds("grpo", [1, 2, 3], [1, 2, 3]) == "grpo"
+    assert benchmark.name_with_seeds("cispo", [1], [1, 2, 3]) == "cispo (seed 1)"
+    assert benchmark.name_with_seeds("sapo", [1, 3], [1, 2, 3]) == "sapo (seeds 1, 3)"
+
+
 def test_summary_table_statistics():
     results = {"a": [run([0.5, 0.9, 1.0]), run([0.7, 0.8, 0.8])], "b": [run([0.5, 0.6])]}
     lines = benchmark.summary_table(results, 0.9).splitlines()
