@@ -115,14 +115,16 @@ def test_reinforce_pp_kl_is_k2_in_the_loss():
 )
 def test_sapo_gate_value_and_slope(ratio, advantage, loss, slope):
     mask = torch.ones(1, 1, dtype=torch.bool)
-    value, grad, metrics = loss_and_grad(sapo, [[math.log(ratio)]], [[0.0]], torch.tensor([advantage]), mask, sapo.Args())
+    value, grad, metrics = loss_and_grad(
+        sapo, [[math.log(ratio)]], [[0.0]], torch.tensor([advantage]), mask, sapo.Args(beta=0.0)
+    )
     assert value == pytest.approx(loss, abs=1e-5) and grad.item() == pytest.approx(slope, abs=1e-5)
 
 
 def test_sapo_gate_fades_far_from_one_where_grpo_cuts():
     # r = 1.3, A = +1: GRPO's clip gives slope 0; SAPO keeps 4 s (1 - s) r with s = sigmoid(0.3) = 0.574443: 0.977834 * 1.3
     mask = torch.ones(1, 1, dtype=torch.bool)
-    _, grad, metrics = loss_and_grad(sapo, [[math.log(1.3)]], [[0.0]], torch.tensor([1.0]), mask, sapo.Args())
+    _, grad, metrics = loss_and_grad(sapo, [[math.log(1.3)]], [[0.0]], torch.tensor([1.0]), mask, sapo.Args(beta=0.0))
     assert grad.item() == pytest.approx(-1.271184, abs=1e-5) and metrics["train/gate_weight"].item() == pytest.approx(
         0.977834, abs=1e-5
     )

@@ -59,7 +59,7 @@ def rows(output_dir):
         ("ppo.py", ["loss/value", "train/explained_variance", "train/advantage_std", "kl/ref", "rollout/kl_penalty"]),
         ("cispo.py", ["train/clip_frac_high", "train/clip_frac_high_negative"]),
         ("reinforce_pp.py", ["kl/ref", "loss/kl"]),
-        ("sapo.py", ["train/gate_weight"]),
+        ("sapo.py", ["train/gate_weight", "kl/ref"]),
         ("opd.py", ["kl/teacher", "rollout/gold_accuracy"]),
     ],
 )
