@@ -148,7 +148,8 @@ def every_script(args: Args) -> list[str]:
     lines[0] += "| peak resident memory (GiB) |"
     lines.append("| --- | --- | --- | --- | --- |")
     group = ["--num-prompts", "4", "--group-size", "8"]
-    per_script = {s: group for s in ("grpo", "rloo", "dr_grpo", "dapo", "gspo")}
+    per_script = {s: group for s in ("grpo", "rloo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce_pp", "sapo")}
+    per_script["opd"] = [*group, "--teacher", f"{args.runs_dir}/learn/model"]  # the teacher: the learning run's model
     per_script["ppo"] = ["--num-prompts", "32"]
     per_script["dpo"] = per_script["reward_model"] = ["--dataset", pairs, "--num-eval", "64", "--batch-size", "32"]
     for script, flags in per_script.items():
@@ -158,7 +159,7 @@ def every_script(args: Args) -> list[str]:
             f"{args.runs_dir}/{script}",
             args.fresh,
         )
-        shown = " ".join(flags).replace(pairs, "pairs.jsonl")
+        shown = " ".join(flags).replace(pairs, "pairs.jsonl").replace(f"{args.runs_dir}/", "")
         lines.append(
             f"| `{script}.py` | `{shown}` | {step_seconds(run['rows'])} | {run['seconds']:.0f} | {gib(run['peak_bytes'])} |"
         )
