@@ -2,7 +2,7 @@
 
     pip install matplotlib                    # only this script needs it
     python benchmark.py                       # 2 tasks x 11 algorithms x 3 seeds, one after another (hours on a CPU)
-    python benchmark.py --tasks addition      # one task: about 50 minutes on a 2-core CPU (one thread)
+    python benchmark.py --tasks addition      # one task
     python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
 
 Each run writes runs/benchmark/<task>/<algorithm>__<seed>/metrics.jsonl; complete runs are reused unless --fresh, so
@@ -169,8 +169,8 @@ def minutes_to(rows, accuracy: float):
     return hits[0] if hits else None
 
 
-# The KL estimator each script logs as kl/ref (per token, in nats): k3 in grpo.py's loss, k1 of the reward penalty in
-# rloo.py and ppo.py, k2 in reinforce_pp.py's loss; the other scripts log it only with --beta > 0 (k3).
+# The KL estimator each script logs as kl/ref (per token, in nats): k3 in grpo.py's and sapo.py's loss, k1 of the reward
+# penalty in rloo.py and ppo.py, k2 in reinforce_pp.py's loss; the other scripts log it only with --beta > 0 (k3).
 KL_ESTIMATOR = {"grpo": "k3", "rloo": "k1", "ppo": "k1", "dr_grpo": "k3", "dapo": "k3", "gspo": "k3", "reinforce_pp": "k2"}
 
 
