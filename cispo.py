@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import common
 import tasks
-from plumbing import checks, dist, models, run_state
+from plumbing import checks, dist, lora, models, run_state
 
 TOTAL_STEPS = 200  # default --total-steps; halved on the scratchpad task, whose steps cost about four times as much
 
@@ -79,6 +79,20 @@ class Args:
     """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
     accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""
 
+    lora_rank: int = 0
+    """train a LoRA adapter of this rank on the frozen weights instead of every weight (0: every weight; needs peft)"""
+    lora_alpha: int = 0
+    """the adapter's output is scaled by lora_alpha / lora_rank (0: twice the rank, a scale of 2)"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get an adapter: all-linear (every linear layer but the output layer: the attention and MLP
+    projections) or names separated by commas, e.g. q_proj,v_proj"""
+    lora_base_dtype: str = "auto"
+    """with --lora-rank, the frozen weights' dtype: float32, bfloat16, or auto (bfloat16 on a GPU that supports it)"""
+    track: bool = False
+    """also log every metric and the evaluation samples to trackio (pip install trackio; `trackio show` to see them)"""
+    track_project: str = "tiny-rlhf"
+    """the trackio project of --track"""
+
     # Algorithm specific arguments
     total_steps: int = 0
     """rollout-and-update steps (0: TOTAL_STEPS at the top of this script, half of it on the scratchpad task)"""
@@ -89,7 +103,7 @@ class Args:
     num_minibatches: int = 2
     """minibatches per rollout batch, one optimizer step each"""
     num_epochs: int = 1
-    """passes over the rollout batch (the paper's mu)"""
+    """passes over the rollout batch (mu in the GRPO paper, K epochs in PPO's)"""
     micro_batch_size: int = 0
     """responses per forward/backward pass, for memory (0: the whole minibatch); does not change the gradient"""
     learning_rate: float = 0.0
@@ -201,12 +215,18 @@ if __name__ == "__main__":
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
-    policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    policy, tokenizer = models.load_model_and_tokenizer(
+        args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
+    )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
     task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
+    if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight
+        policy = lora.add_adapter(policy, args)
     ref_policy = None  # the frozen warm-up policy, only needed for the KL penalty
-    if args.beta > 0:
+    if args.beta > 0 and args.lora_rank:  # the policy with its adapter switched off: no second copy of the weights
+        ref_policy = lora.WithoutAdapter(policy)
+    elif args.beta > 0:
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
@@ -215,7 +235,9 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    logger = run_state.MetricsLogger(
+        args.output_dir, checkpoint.resumed_step, vars(args) if args.track else None
+    )  # with --resume: appends after that step
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 import common
 import preference_pairs
 import tasks
-from plumbing import checks, dist, models, run_state
+from plumbing import checks, dist, lora, models, run_state
 
 
 @dataclass
@@ -71,6 +71,20 @@ class Args:
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
     them (data parallel); see docs/more-gpus.md"""
+
+    lora_rank: int = 0
+    """train a LoRA adapter of this rank on the frozen weights instead of every weight (0: every weight; needs peft)"""
+    lora_alpha: int = 0
+    """the adapter's output is scaled by lora_alpha / lora_rank (0: twice the rank, a scale of 2)"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get an adapter: all-linear (every linear layer but the output layer: the attention and MLP
+    projections) or names separated by commas, e.g. q_proj,v_proj"""
+    lora_base_dtype: str = "auto"
+    """with --lora-rank, the frozen weights' dtype: float32, bfloat16, or auto (bfloat16 on a GPU that supports it)"""
+    track: bool = False
+    """also log every metric and the evaluation samples to trackio (pip install trackio; `trackio show` to see them)"""
+    track_project: str = "tiny-rlhf"
+    """the trackio project of --track"""
 
     # Algorithm specific arguments
     total_steps: int = 40
@@ -198,11 +212,15 @@ if __name__ == "__main__":
     else:
         task = tasks.make_task(args.task)
     args.max_new_tokens = args.max_new_tokens or tasks.verifier(args.task)[1]  # the task's budget unless --max-new-tokens
-    policy, tokenizer = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+    policy, tokenizer = models.load_model_and_tokenizer(
+        args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
+    )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
     if not args.dataset:  # a user's pairs are used as given (render them with your chat template yourself)
         task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
+    if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight
+        policy = lora.add_adapter(policy, args)
     # models stay in eval mode throughout: no dropout, so that log pi_ref below is exactly the reference's
     if args.dataset:
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
@@ -227,7 +245,9 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
-    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    logger = run_state.MetricsLogger(
+        args.output_dir, checkpoint.resumed_step, vars(args) if args.track else None
+    )  # with --resume: appends after that step
     eval_metrics = logger.last_eval or evaluate()
     pairs_metrics = {
         "data/pairs": len(pairs),

@@ -46,7 +46,7 @@ from tqdm import tqdm
 import common
 import preference_pairs
 import tasks
-from plumbing import checks, dist, models, run_state
+from plumbing import checks, dist, lora, models, run_state
 
 
 @dataclass
@@ -79,6 +79,20 @@ class Args:
     """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
+
+    lora_rank: int = 0
+    """train a LoRA adapter of this rank on the frozen weights instead of every weight (0: every weight; needs peft)"""
+    lora_alpha: int = 0
+    """the adapter's output is scaled by lora_alpha / lora_rank (0: twice the rank, a scale of 2)"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get an adapter: all-linear (every linear layer but the output layer: the attention and MLP
+    projections) or names separated by commas, e.g. q_proj,v_proj"""
+    lora_base_dtype: str = "auto"
+    """with --lora-rank, the frozen weights' dtype: float32, bfloat16, or auto (bfloat16 on a GPU that supports it)"""
+    track: bool = False
+    """also log every metric and the evaluation samples to trackio (pip install trackio; `trackio show` to see them)"""
+    track_project: str = "tiny-rlhf"
+    """the trackio project of --track"""
 
     # Algorithm specific arguments
     total_steps: int = 600
@@ -211,11 +225,19 @@ if __name__ == "__main__":
     task = None if args.dataset else tasks.make_task(args.task)
     # the warm-up policy's body with a new one-output head; models stay in eval mode throughout (no dropout)
     model, tokenizer = models.load_model_and_tokenizer(
-        args.model_name_or_path, args.cache_dir, device, args.task, AutoModelForSequenceClassification, num_labels=1
+        args.model_name_or_path,
+        args.cache_dir,
+        device,
+        args.task,
+        lora.base_dtype(args, device),
+        AutoModelForSequenceClassification,
+        num_labels=1,
     )
     model.config.pad_token_id = tokenizer.pad_token_id  # so that the saved model also works with the library's pooling
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(model)
+    if args.lora_rank:  # train a low-rank adapter on the frozen body instead of every weight; the new head is trained whole
+        model = lora.add_adapter(model, args, trained_modules=("score",))
     if args.dataset:  # a user's pairs are used as given (render them with the policy's chat template yourself)
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
@@ -237,7 +259,9 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
-    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # time/elapsed: training, not the pairs
+    logger = run_state.MetricsLogger(
+        args.output_dir, checkpoint.resumed_step, vars(args) if args.track else None
+    )  # time/elapsed: training, not the pairs
     eval_metrics = logger.last_eval or evaluate_pairs(model, eval_data, args.micro_batch_size)
     data_metrics = {"data/pairs": len(train_pairs), "data/eval_pairs": len(eval_pairs), "time/pairs": pairs_time}
     logger.log(0, {**eval_metrics, **data_metrics})

@@ -39,6 +39,30 @@ def model_task_and_device(args) -> None:
         )
     models.check_model_path(args.model_name_or_path)
     device(args)
+    if hasattr(args, "lora_rank"):
+        adapter_and_tracker(args)
+
+
+def adapter_and_tracker(args) -> None:
+    """--lora-rank and its flags, and --track: in range, and the optional package each needs installed."""
+    import importlib.util
+
+    flag(args, "lora_rank", "must be 0 (train every weight) or positive", lambda v: v >= 0)
+    flag(args, "lora_alpha", "must be 0 (twice the rank) or positive", lambda v: v >= 0)
+    if args.lora_base_dtype not in ("auto", "float32", "bfloat16"):
+        raise SystemExit(f"--lora-base-dtype {args.lora_base_dtype!r}: allowed values are auto, float32, bfloat16")
+    if args.lora_base_dtype == "bfloat16" and not args.lora_rank:
+        raise SystemExit(
+            "--lora-base-dtype bfloat16: only the frozen weights of --lora-rank may be bf16; trained ones stay fp32"
+        )
+    if args.lora_rank and not args.lora_target_modules.strip(" ,"):
+        raise SystemExit("--lora-target-modules '': name the layers that get an adapter, or all-linear")
+    if args.lora_rank and getattr(args, "fsdp", False):
+        raise SystemExit("--fsdp with --lora-rank: not supported; the adapter is small, so drop --fsdp (data parallel)")
+    if args.lora_rank and importlib.util.find_spec("peft") is None:
+        raise SystemExit("--lora-rank: needs the peft package (pip install peft)")
+    if args.track and importlib.util.find_spec("trackio") is None:
+        raise SystemExit("--track: needs the trackio package (pip install trackio)")
 
 
 def device(args) -> None:

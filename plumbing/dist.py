@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as torch_dist
 
+from plumbing import lora
+
 _single_process = False  # inside `as_single_process()`: this rank works alone (rank 0 building a cache)
 
 
@@ -175,7 +177,7 @@ def average_gradients(optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if is_dtensor(p):
+            if is_dtensor(p) or not p.requires_grad:  # FSDP2's own, or frozen (--lora-rank)
                 continue
             if p.grad is None:  # every rank must join every all_reduce
                 p.grad = torch.zeros_like(p)
@@ -200,7 +202,13 @@ def uses_fsdp(model) -> bool:
 
 def save_model(model, tokenizer, path: str) -> None:
     """save_pretrained of the model and its tokenizer, by rank 0; under FSDP2 the shards are gathered first, so that
-    the folder loads with from_pretrained exactly like a single process's."""
+    the folder loads with from_pretrained exactly like a single process's. With --lora-rank (never sharded: see
+    checks.adapter_and_tracker) the adapter is saved, then merged into the weights, which are saved as the model."""
+    if lora.has_adapter(model):
+        if is_main():
+            lora.save_merged(model, tokenizer, path)
+        barrier()
+        return
     state = {k: full_tensor(v) for k, v in model.state_dict().items()} if uses_fsdp(model) else None
     if is_main():
         model.save_pretrained(path, state_dict=state)

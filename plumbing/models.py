@@ -87,17 +87,20 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     return path
 
 
-def load_model_and_tokenizer(name: str, cache_dir: str, device: torch.device, task: str = "addition", auto_class=None, **kw):
+def load_model_and_tokenizer(
+    name: str, cache_dir: str, device: torch.device, task: str = "addition", dtype=torch.float32, auto_class=None, **kw
+):
     """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model
-    (warmed up on `task`) and for a hub model alike. `auto_class` loads another head on the same body, e.g.
-    AutoModelForSequenceClassification with num_labels=1 (passed on in `kw`) for a reward model."""
+    (warmed up on `task`) and for a hub model alike, its weights in `dtype` (float32 unless they stay frozen, see
+    lora.base_dtype). `auto_class` loads another head on the same body, e.g. AutoModelForSequenceClassification with
+    num_labels=1 (passed on in `kw`) for a reward model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name, cache_dir, task)
     auto_class = auto_class or AutoModelForCausalLM
     load = lambda **local: (  # noqa: E731
         AutoTokenizer.from_pretrained(path, padding_side="left", **local),
-        auto_class.from_pretrained(path, dtype=torch.float32, **kw, **local),
+        auto_class.from_pretrained(path, dtype=dtype, **kw, **local),
     )
     try:
         tokenizer, model = load_local_first(load, path)
@@ -181,13 +184,13 @@ def load_reward_model(path: str, tokenizer, device: torch.device):
     return model.to(device).eval().requires_grad_(False)
 
 
-def load_body(name: str, cache_dir: str, task: str = "addition"):
+def load_body(name: str, cache_dir: str, task: str = "addition", dtype=torch.float32):
     """The transformer body of the model `name` (the built-in model warmed up on `task`, a folder or a hub id) without
-    its output layer, through AutoModel, for a network with a head of its own (PPO's critic)."""
+    its output layer, through AutoModel, in `dtype`, for a network with a head of its own (PPO's critic)."""
     from transformers import AutoModel
 
     path = resolve_model_path(name, cache_dir, task)
     try:
-        return load_local_first(lambda **local: AutoModel.from_pretrained(path, dtype=torch.float32, **local), path)
+        return load_local_first(lambda **local: AutoModel.from_pretrained(path, dtype=dtype, **local), path)
     except LOAD_ERRORS as e:
         raise SystemExit(load_error_message(name, path, e)) from None

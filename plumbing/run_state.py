@@ -24,9 +24,15 @@ class MetricsLogger:
     `last_eval` its latest evaluation ({} on a fresh run).
 
     Under torchrun every rank calls `log` with its own metrics; they are pooled over ranks (common.pool_metrics) and
-    rank 0 writes them. A metric may be a tensor of samples (e.g. lengths), logged as their mean."""
+    rank 0 writes them. A metric may be a tensor of samples (e.g. lengths), logged as their mean.
 
-    def __init__(self, output_dir: str, resume_step: int | None = None):
+    With `tracked_config` (--track: the run's flags) every row also goes to trackio, a local experiment tracker (no
+    account; an SQLite file under ~/.cache/huggingface/trackio or $TRACKIO_DIR; `trackio show` opens its dashboard),
+    in project --track-project, as a run named like the output folder with the flags as its config, and the samples as
+    a table. After --resume the same run goes on; the steps the interrupted run logged after its last checkpoint are
+    logged there a second time (a tracker keeps what it was sent), while metrics.jsonl keeps them once."""
+
+    def __init__(self, output_dir: str, resume_step: int | None = None, tracked_config: dict | None = None):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         samples_path = os.path.join(output_dir, "samples.jsonl")
         kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
@@ -45,6 +51,14 @@ class MetricsLogger:
         self.last_eval = next((e for e in evals[::-1] if e), {})
         self.done_step = -1 if resume_step is None else resume_step
         self.start = time.time() - self.last.get("time/elapsed", 0.0)
+        self.tracker = None
+        if tracked_config is not None and dist.is_main():
+            import trackio
+
+            name = os.path.basename(os.path.normpath(output_dir))
+            config = {k: v for k, v in tracked_config.items() if isinstance(v, (int, float, str, bool))}
+            resume = "allow" if resume_step is not None else "never"
+            self.tracker = trackio.init(project=tracked_config["track_project"], name=name, config=config, resume=resume)
 
     @staticmethod
     def _rows_up_to(path: str, step: int | None) -> list[dict]:
@@ -75,10 +89,19 @@ class MetricsLogger:
             self.samples.write(json.dumps({"step": step, **sample}) + "\n")
         self.samples.flush()
         self.last = row
+        if self.tracker is not None:
+            import trackio
+
+            tracked = {k: v for k, v in row.items() if k != "step"}
+            if samples := metrics.get("samples"):
+                tracked["samples"] = trackio.Table(columns=list(samples[0]), data=[list(s.values()) for s in samples])
+            self.tracker.log(tracked, step=step)
 
     def close(self) -> None:
         self.file.close()
         self.samples.close()
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 class Checkpoint:
@@ -118,7 +141,8 @@ class Checkpoint:
         self.interrupted = True
 
     def trained(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        """The weights the optimizer trains (with --lora-rank the adapter's: the frozen ones are not saved)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
 
     def rng_state(self):
         return self.rng.get_state() if isinstance(self.rng, torch.Generator) else self.rng.getstate()
@@ -178,7 +202,8 @@ class Checkpoint:
         with torch.no_grad():
             for p, saved in zip(trained, state["trained"]):
                 p.copy_(self.shaped_like(saved, p))
-        for i, p in enumerate(trained):  # under FSDP2 the optimizer's state is sharded like its parameter, one at a time
+        optimized = [p for group in self.optimizer.param_groups for p in group["params"]]  # as the state dict numbers them
+        for i, p in enumerate(optimized):  # under FSDP2 the optimizer's state is sharded like its parameter, one at a time
             for k, v in state["optimizer"]["state"].get(i, {}).items():
                 if torch.is_tensor(v) and v.shape == p.shape:
                     state["optimizer"]["state"][i][k] = self.shaped_like(v, p)

@@ -21,6 +21,12 @@ from plumbing import checks, models, run_state
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
 SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py"]
 SHARDED = ["grpo.py", "ppo.py"]
+LORA = "grpo.py --lora-rank 4"  # data parallel with an adapter: only the adapter's gradients are averaged
+
+
+def script_and_name(command: str) -> tuple[str, list[str], str]:
+    script, *more = command.split()
+    return script, more, script[:-3] + ("_lora" if more else "")
 
 
 def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "") -> list[str]:
@@ -47,12 +53,12 @@ def runs(model_dir, teacher_dir, tmp_path_factory):
     pairs = root / "pairs.jsonl"
     pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(8)))
     jobs = []
-    for script in SCRIPTS:
-        name = script[:-3]
-        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir)
+    for command in [*SCRIPTS, LORA]:
+        script, more, name = script_and_name(command)
+        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir) + more
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
         jobs[-1]["rollouts"] = "" if script in ("dpo.py", "reward_model.py") else str(root / "rollouts" / name)
-        if script in SHARDED:
+        if command in SHARDED:
             fsdp = argv + ["--fsdp", "--output-dir", str(root / "fsdp" / name)]
             jobs.append({"script": script, "argv": fsdp, "rollouts": jobs[-1]["rollouts"]})
     # PPO under FSDP2 (sharded weights, a critic, sharded optimizer state): 2 steps, against 1 step and then --resume
@@ -89,20 +95,20 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, model_dir, teacher_dir, monkeypatch, script):
+@pytest.mark.parametrize("command", [*SCRIPTS, LORA])
+def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, model_dir, teacher_dir, monkeypatch, command):
     """The weights after the first optimizer step (and the second) of 2 ranks equal, to 1e-5, those of one process that
     replays the union of the 2 ranks' rollouts (DPO: of their pairs) with the same flags. Global reductions enter here:
     PPO's whitening and token mean, DAPO's and CISPO's token means, DAPO's kept groups, REINFORCE++'s batch std, every
     script's mean over responses. The first update moves some weight by more than 1e-5, so a missing average or a
-    rank-local normaliser would show."""
-    name = script[:-3]
+    rank-local normaliser would show. With --lora-rank the trained weights are the adapter's."""
+    script, more, name = script_and_name(command)
     monkeypatch.setattr(tasks.Task, "reward", text_reward)
     monkeypatch.setattr(run_state.Checkpoint, "save", keep_every_checkpoint())
     if script not in ("dpo.py", "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
-    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir)
+    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir) + more
     run_here(monkeypatch, script, *argv, "--output-dir", str(one))
     for step in (1, 2):
         ranks, single = trained(runs / "ddp" / name / f"checkpoint.pt.{step}"), trained(one / f"checkpoint.pt.{step}")
