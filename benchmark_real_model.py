@@ -1,15 +1,16 @@
 """A real pretrained chat model on this machine: SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the CPU.
 
     pip install matplotlib                   # the chart
-    python benchmark_real_model.py           # about 45 minutes on a 2-core CPU, alone
+    python benchmark_real_model.py           # about an hour on a 2-core CPU, alone
 
-Four measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
-learning curve (docs/real-model/accuracy.png):
+Five measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
+learning curves (docs/real-model/accuracy.png):
 1. learning: grpo.py on the sums task with the command of docs/real-model.md: the whole command's minutes and peak
    resident memory, the held-out accuracy at every evaluation, and what the model answered before and after;
-2. every script for 2 steps with a small batch and its defaults for a pretrained model: seconds per step, peak memory;
-3. grpo.py for 2 steps with one memory or speed flag changed at a time;
-4. one GRPO step taken apart in a fresh process: generation, the no-grad log-prob passes and the update, each timed,
+2. the same with a LoRA adapter (--lora-rank 16, ten times the learning rate) beside it;
+3. every script for 2 steps with a small batch and its defaults for a pretrained model: seconds per step, peak memory;
+4. grpo.py for 2 steps with one memory or speed flag changed at a time, LoRA's among them;
+5. one GRPO step taken apart in a fresh process: generation, the no-grad log-prob passes and the update, each timed,
    the peak memory after each, and generation's time by operator (torch.profiler).
 Complete runs under --runs-dir are reused unless --fresh, so an interrupted benchmark resumes where it stopped.
 """
@@ -37,7 +38,14 @@ FLAG_VARIANTS = {
     "--micro-batch-size 4 --gradient-checkpointing --beta 0": ["--micro-batch-size", "4", "--gradient-checkpointing"]
     + ["--beta", "0"],
     "--max-new-tokens 48": ["--max-new-tokens", "48"],
+    "--lora-rank 16 (the reference: the base, adapter off)": ["--lora-rank", "16"],
+    "--lora-rank 16 --lora-base-dtype bfloat16": ["--lora-rank", "16", "--lora-base-dtype", "bfloat16"],
+    "--lora-rank 16 --micro-batch-size 4 --gradient-checkpointing": ["--lora-rank", "16", "--micro-batch-size", "4"]
+    + ["--gradient-checkpointing"],
 }
+# The learning command with a LoRA adapter of rank 16 instead of every weight, at ten times the full run's learning rate
+# (the ratio "LoRA Without Regret", Schulman et al. 2025, found optimal across models and tasks; alpha 32, scale 2)
+LORA_LEARN = [v if v != "1e-5" else "1e-4" for v in LEARN] + ["--lora-rank", "16"]
 
 
 @dataclass
@@ -87,8 +95,6 @@ def step_seconds(rows: list[dict], key: str = "time/step") -> str:
 
 def learning(args: Args) -> list[str]:
     run = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
-    evals = [(r["step"], r["time/elapsed"], r["eval/accuracy"]) for r in run["rows"] if "eval/accuracy" in r]
-    plot_learning(evals, os.path.join(args.docs_dir, "accuracy.png"))
     with open(f"{args.runs_dir}/learn/samples.jsonl") as f:
         samples = [json.loads(line) for line in f]
     lines = [
@@ -116,22 +122,53 @@ def learning(args: Args) -> list[str]:
     return lines
 
 
+def lora_learning(args: Args) -> list[str]:
+    """The learning command with --lora-rank 16, beside the full run: accuracy, time, memory, trained parameters."""
+    full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
+    out = f"{args.runs_dir}/learn-lora"
+    run = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LORA_LEARN], out, args.fresh)
+    with open(f"{out}/log.txt") as f:
+        trained = next(line.strip() for line in f if line.startswith("--lora-rank"))
+    plot_learning(
+        {"every weight, lr 1e-5": evaluations(full["rows"]), "LoRA rank 16, lr 1e-4": evaluations(run["rows"])},
+        os.path.join(args.docs_dir, "accuracy.png"),
+    )
+    lines = [
+        f"`python grpo.py --model-name-or-path MODEL_DIR {' '.join(LORA_LEARN)}` ({trained}): {run['seconds'] / 60:.1f} "
+        f"minutes for the whole command, peak resident memory {gib(run['peak_bytes'])} GiB (every weight: "
+        f"{full['seconds'] / 60:.1f} minutes, {gib(full['peak_bytes'])} GiB), {step_seconds(run['rows'])} s per step.",
+        "",
+        "| step | held-out accuracy, LoRA | every weight |",
+        "| --- | --- | --- |",
+    ]
+    accuracy = {r["step"]: r["eval/accuracy"] for r in full["rows"] if "eval/accuracy" in r}
+    for step, _, value in evaluations(run["rows"]):
+        lines.append(f"| {step} | {value:.1%} | {accuracy[step]:.1%} |")
+    return lines
+
+
+def evaluations(rows: list[dict]) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["time/elapsed"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+
+
 def eval_seconds(rows: list[dict]) -> float:
     """The mean time of an evaluation after a step: the step's wall-clock time not counted in time/step."""
     gaps = [b["time/elapsed"] - a["time/elapsed"] - b["time/step"] for a, b in zip(rows, rows[1:]) if "eval/accuracy" in b]
     return sum(gaps) / max(1, len(gaps))
 
 
-def plot_learning(evals: list[tuple[int, float, float]], path: str) -> None:
+def plot_learning(runs: dict[str, list[tuple[int, float, float]]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([e[1] / 60 for e in evals], [e[2] for e in evals], marker="o")
-    for step, minutes, accuracy in evals:
-        ax.annotate(f"step {step}", (minutes / 60, accuracy), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    for label, evals in runs.items():
+        ax.plot([e[1] / 60 for e in evals], [e[2] for e in evals], marker="o", label=label)
+        for step, minutes, accuracy in evals:
+            ax.annotate(f"step {step}", (minutes / 60, accuracy), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_title("SmolLM2-135M-Instruct, grpo.py on the sums task (CPU, 2 cores)", fontsize=10)
     ax.set_xlabel("minutes since the start of training (model loaded)")
     ax.set_ylabel("held-out accuracy (greedy, 200 problems)")
@@ -213,6 +250,55 @@ def flag_variants(args: Args) -> list[str]:
         )
         rollout = step_seconds(run["rows"], "time/rollout")
         lines.append(f"| {label} | {step_seconds(run['rows'])} | {rollout} | {gib(run['peak_bytes'])} |")
+    return lines
+
+
+def formula_check(args: Args) -> list[str]:
+    """memory_plan.py's terms (CPU: fp32 throughout) for the 2-step grpo.py runs of flag_variants, every weight against
+    --lora-rank 16, beside their measured peaks. A micro-batch is a minibatch of 16 responses of the sums prompt (with
+    the chat template) and 24 new tokens."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    import memory_plan
+    import tasks
+
+    config, tokenizer = AutoConfig.from_pretrained(args.model_dir), AutoTokenizer.from_pretrained(args.model_dir)
+    task = tasks.apply_chat_template(tasks.make_task("gsm8k", f"{args.runs_dir}/sums.jsonl", 2), tokenizer, "auto", "")
+    prompt = len(tokenizer(task.train["prompt"][0], add_special_tokens=False).input_ids)
+    tokens = 16 * (prompt + 24)
+    model = memory_plan.build_on_meta(config)
+    params, adapter = memory_plan.parameter_count(model), memory_plan.adapter_parameter_count(model, 16)
+    peaks = {}
+    for i, label in enumerate(FLAG_VARIANTS):
+        with open(f"{args.runs_dir}/flags{i}/measured.json") as f:
+            peaks[label] = json.load(f)["peak_bytes"]
+    full_label, lora_label = next(iter(FLAG_VARIANTS)), "--lora-rank 16 (the reference: the base, adapter off)"
+    logits = memory_plan.logits_bytes()
+    full = {"weights": 4 * params, "reference": 4 * params, "gradients": 4 * params, "AdamW state": 8 * params}
+    lora = {"weights": 4 * params + 4 * adapter, "reference": 0, "gradients": 4 * adapter, "AdamW state": 8 * adapter}
+    full["activations"] = tokens * memory_plan.activation_bytes_per_token(config, 0, on_gpu=False)
+    lora["activations"] = tokens * memory_plan.activation_bytes_per_token(config, 16, on_gpu=False)
+    lines = [
+        f"P = {params:,} parameters, a = {adapter:,} in the adapter (rank 16, every linear layer but the output layer), "
+        f"micro-batch n = 16 x ({prompt} + 24) = {tokens:,} tokens, fp32 on the CPU.",
+        "",
+        "| term | every weight | LoRA rank 16 |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {k} | {gib(full[k])} | {gib(lora[k])} |" for k in full]
+    lines += [f"| logits (one chunk) | {gib(logits)} | {gib(logits)} |"]
+    imports = "import torch, transformers, datasets, tyro, tqdm, common, tasks, grpo; from plumbing import models"
+    process = subprocess.Popen([sys.executable, "-c", imports])
+    baseline = os.wait4(process.pid, 0)[2].ru_maxrss * 1024  # the process before any model: Python and the libraries
+    lines += [f"| the process before any model (Python, torch, transformers) | {gib(baseline)} | {gib(baseline)} |"]
+    predicted = {label: sum(terms.values()) + logits + baseline for label, terms in ((full_label, full), (lora_label, lora))}
+    lines += [f"| sum of the terms | {gib(predicted[full_label])} | {gib(predicted[lora_label])} |"]
+    lines += [f"| measured peak of the process | {gib(peaks[full_label])} | {gib(peaks[lora_label])} |"]
+    saved = predicted[full_label] - predicted[lora_label]
+    lines += [
+        "",
+        f"Saved by the adapter: {gib(saved)} GiB by the formula, {gib(peaks[full_label] - peaks[lora_label])} GiB measured.",
+    ]
     return lines
 
 
@@ -306,6 +392,10 @@ if __name__ == "__main__":
         "",
         *learning(args),
         "",
+        "## Learning with a LoRA adapter",
+        "",
+        *lora_learning(args),
+        "",
         "## Every script, 2 steps",
         "",
         *every_script(args),
@@ -313,6 +403,10 @@ if __name__ == "__main__":
         "## One flag at a time",
         "",
         *flag_variants(args),
+        "",
+        "## The memory formula against the measured peaks",
+        "",
+        *formula_check(args),
         "",
         "## One step taken apart",
         "",

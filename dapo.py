@@ -261,9 +261,9 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    logger = run_state.MetricsLogger(
-        args.output_dir, checkpoint.resumed_step, vars(args) if args.track else None
-    )  # with --resume: appends after that step
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    if args.track:  # every logged row to trackio too, with the flags as the run's config
+        logger.track(vars(args))
     responses = logger.last.get("train/responses", 0)  # DAPO: generated responses, kept or not
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)

@@ -245,9 +245,9 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
-    logger = run_state.MetricsLogger(
-        args.output_dir, checkpoint.resumed_step, vars(args) if args.track else None
-    )  # with --resume: appends after that step
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    if args.track:  # every logged row to trackio too, with the flags as the run's config
+        logger.track(vars(args))
     eval_metrics = logger.last_eval or evaluate()
     pairs_metrics = {
         "data/pairs": len(pairs),

@@ -259,9 +259,9 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
-    logger = run_state.MetricsLogger(
-        args.output_dir, checkpoint.resumed_step, vars(args) if args.track else None
-    )  # time/elapsed: training, not the pairs
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # time/elapsed: training, not the pairs
+    if args.track:  # every logged row to trackio too, with the flags as the run's config
+        logger.track(vars(args))
     eval_metrics = logger.last_eval or evaluate_pairs(model, eval_data, args.micro_batch_size)
     data_metrics = {"data/pairs": len(train_pairs), "data/eval_pairs": len(eval_pairs), "time/pairs": pairs_time}
     logger.log(0, {**eval_metrics, **data_metrics})

@@ -26,13 +26,9 @@ class MetricsLogger:
     Under torchrun every rank calls `log` with its own metrics; they are pooled over ranks (common.pool_metrics) and
     rank 0 writes them. A metric may be a tensor of samples (e.g. lengths), logged as their mean.
 
-    With `tracked_config` (--track: the run's flags) every row also goes to trackio, a local experiment tracker (no
-    account; an SQLite file under ~/.cache/huggingface/trackio or $TRACKIO_DIR; `trackio show` opens its dashboard),
-    in project --track-project, as a run named like the output folder with the flags as its config, and the samples as
-    a table. After --resume the same run goes on; the steps the interrupted run logged after its last checkpoint are
-    logged there a second time (a tracker keeps what it was sent), while metrics.jsonl keeps them once."""
+    After `track` (--track) every row also goes to trackio (see `track`)."""
 
-    def __init__(self, output_dir: str, resume_step: int | None = None, tracked_config: dict | None = None):
+    def __init__(self, output_dir: str, resume_step: int | None = None):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         samples_path = os.path.join(output_dir, "samples.jsonl")
         kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
@@ -51,14 +47,22 @@ class MetricsLogger:
         self.last_eval = next((e for e in evals[::-1] if e), {})
         self.done_step = -1 if resume_step is None else resume_step
         self.start = time.time() - self.last.get("time/elapsed", 0.0)
-        self.tracker = None
-        if tracked_config is not None and dist.is_main():
-            import trackio
+        self.output_dir, self.tracker = output_dir, None
 
-            name = os.path.basename(os.path.normpath(output_dir))
-            config = {k: v for k, v in tracked_config.items() if isinstance(v, (int, float, str, bool))}
-            resume = "allow" if resume_step is not None else "never"
-            self.tracker = trackio.init(project=tracked_config["track_project"], name=name, config=config, resume=resume)
+    def track(self, flags: dict) -> None:
+        """--track: from now on every row also goes to trackio, a local experiment tracker (no account; an SQLite file
+        under ~/.cache/huggingface/trackio or $TRACKIO_DIR; `trackio show` opens its dashboard), in the project
+        --track-project, as a run named like the output folder with the flags as its config, and the samples as a table.
+        After --resume the same run goes on; the steps the interrupted run logged after its last checkpoint are logged
+        there a second time (a tracker keeps what it was sent), while metrics.jsonl keeps them once. Rank 0 logs."""
+        if not dist.is_main():
+            return
+        import trackio
+
+        name = os.path.basename(os.path.normpath(self.output_dir))
+        config = {k: v for k, v in flags.items() if isinstance(v, (int, float, str, bool))}
+        resume = "allow" if self.done_step >= 0 else "never"
+        self.tracker = trackio.init(project=flags["track_project"], name=name, config=config, resume=resume)
 
     @staticmethod
     def _rows_up_to(path: str, step: int | None) -> list[dict]:
