@@ -14,9 +14,11 @@ Departures from the papers:
    token's advantage is its own log-ratio (discount 0), not the sum over the tokens after it that the exact gradient of
    the sequence's reverse KL would take (the recipe found a discount above 0 no better in practice).
 3. grpo.py's clipped surrogate and reduction (GKD's: a response's token mean, then over responses; the 2025 recipe sums
-   ratio * A unclipped); G responses per prompt are just G samples; the teacher scores at the sampling --temperature.
-4. No KL to a reference (beta = 0): the teacher anchors the student; --beta adds grpo.py's k3 penalty.
-5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
+   ratio * A unclipped); the teacher scores at the sampling --temperature.
+4. One response per prompt and 256 prompts per step, as GKD samples one output per input: with no group baseline to
+   build, grpo.py's 32 prompts x 8 would spend the same 256 responses on fewer problems.
+5. No KL to a reference (beta = 0): the teacher anchors the student; --beta adds grpo.py's k3 penalty.
+6. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 """
 
@@ -95,9 +97,9 @@ class Args:
     # Algorithm specific arguments
     total_steps: int = 0
     """rollout-and-update steps (0: TOTAL_STEPS at the top of this script, half of it on the scratchpad task)"""
-    num_prompts: int = 32
+    num_prompts: int = 256  # OPD: one response for each of 256 prompts (GKD); no group
     """prompts per rollout"""
-    group_size: int = 8
+    group_size: int = 1
     """responses per prompt (G)"""
     num_minibatches: int = 2
     """minibatches per rollout batch, one optimizer step each"""
@@ -133,7 +135,7 @@ def check_args(args: Args) -> None:
     checks.flag(args, "teacher", "is required: a model folder or hub id, e.g. runs/grpo__1/model", lambda v: v != "")  # OPD
     checks.flag(args, "reward_model", "is not used by opd.py, which learns from --teacher", lambda v: v == "")
     checks.rl_flags(args)
-    checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
+    checks.flag(args, "group_size", "must be at least 1", lambda v: v >= 1)  # OPD: a per-token signal needs no group
     checks.flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(

@@ -39,7 +39,7 @@ def small_llama(kv_heads: int) -> LlamaConfig:
     )
 
 
-def test_the_adapter_count_is_peft_s(model_dir):
+def test_the_adapter_count_is_peft_s():
     from transformers import AutoModelForCausalLM
 
     for config in (small_llama(4), small_llama(2)):

@@ -139,7 +139,9 @@ def test_critic_reads_the_value_of_each_prefix():
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
         sft.build_tokenizer().save_pretrained(path)  # a model folder with its tokenizer, as Critic expects
-        critic = ppo.Critic(SimpleNamespace(model_name_or_path=path, cache_dir="", task="addition"))
+        critic = ppo.Critic(
+            SimpleNamespace(model_name_or_path=path, cache_dir="", task="addition", lora_rank=0), torch.float32
+        )
     T = mask.shape[1]
     values = critic(input_ids, attention_mask, T)
     assert values.shape == mask.shape and torch.equal(values, torch.zeros_like(values))

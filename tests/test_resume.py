@@ -31,15 +31,14 @@ def interrupt_after(step):
     return log_then_interrupt
 
 
-@pytest.mark.parametrize(
-    "command", ["grpo.py", "dapo.py", "ppo.py", "dpo.py", "reward_model.py", "opd.py", "ppo.py --lora-rank 4"]
-)
+@pytest.mark.parametrize("command", ["grpo.py", "dapo.py", "ppo.py --lora-rank 4", "dpo.py", "reward_model.py", "opd.py"])
 def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tmp_path, monkeypatch, command):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
     have come) and --resume: every logged metric but time/*, the samples and the final weights agree. grpo.py stands for
-    its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too, dpo.py and
-    reward_model.py walk pairs, opd.py has a teacher; with --lora-rank the checkpoint holds only the adapters (the
-    policy's and the critic's) and the critic's head, and the saved weights are the merged ones."""
+    its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too (here with --lora-rank:
+    the checkpoint holds only the adapters, the policy's and the critic's, and the critic's head, and the saved weights
+    are the merged ones; ppo.py without an adapter resumes under FSDP2 in test_distributed.py), dpo.py and
+    reward_model.py walk pairs, opd.py has a teacher."""
     script, *lora_flags = command.split()
     monkeypatch.setattr(tasks.Task, "reward", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4", *lora_flags]
