@@ -159,18 +159,19 @@ def table(configs: dict, args: Args) -> list[str]:
     gib = lambda n: f"{n / GIB:.1f}"  # noqa: E731
     lines = [
         "| model | training | weights | autocast copies | gradients | AdamW | reference | activations | checkpointed "
-        "| KV cache | peak | peak, checkpointed | smallest card, checkpointed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| KV cache | peak | smallest card | peak, checkpointed | smallest card, checkpointed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, config in configs.items():
         p = plan(config, args)
         for kind, terms in (("full", p["full"]), (f"LoRA r={args.lora_rank}", p["lora"])):
             count = f"{p['params'] / 1e9:.2f}B" if kind == "full" else f"{p['adapter'] / 1e6:.1f}M trained"
             cells = [gib(terms[k]) for k in (*STATIC, "activations", "activations, checkpointed")]
-            cells += [gib(p["kv_cache"]), gib(peak(terms, p["kv_cache"], False)), gib(peak(terms, p["kv_cache"], True))]
-            lines.append(
-                f"| {name} ({count}) | {kind} | {' | '.join(cells)} | {smallest_card(peak(terms, p['kv_cache'], True))} |"
-            )
+            cells.append(gib(p["kv_cache"]))
+            for checkpointed in (False, True):
+                need = peak(terms, p["kv_cache"], checkpointed)
+                cells += [gib(need), smallest_card(need)]
+            lines.append(f"| {name} ({count}) | {kind} | {' | '.join(cells)} |")
     return lines
 
 
