@@ -67,11 +67,9 @@ def test_end_to_end_through_the_command_line(monkeypatch, model_dir, teacher_dir
     flags = ["--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL]
     flags += ["--teacher", teacher_dir] if script == "opd.py" else []
     flags += ["--gradient-checkpointing"] if script == "rloo.py" else []  # the same run, layers recomputed
-    if script == "grpo.py":  # one script in a fresh interpreter, exactly as a user runs it
-        result = run(script, *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-    else:  # the others through the same command line, in this process (a fresh interpreter costs seconds of imports)
-        run_here(monkeypatch, script, *flags)
+    # through the command line, in this process (a fresh interpreter costs seconds of imports); a copy of grpo.py runs in
+    # a fresh interpreter, exactly as a user runs it, in test_the_docs_own_task_runs_from_the_command_line
+    run_here(monkeypatch, script, *flags)
     logged = rows(tmp_path)
     assert [r["step"] for r in logged] == [0, 1, 2] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in logged)
     for key in ["rollout/reward_mean", "rollout/response_length", "time/step", "train/responses", *keys]:
