@@ -1,16 +1,19 @@
 """A real pretrained chat model on this machine: SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the CPU.
 
     pip install matplotlib                   # the chart
-    python benchmark_real_model.py           # about an hour on a 2-core CPU, alone
+    python benchmark_real_model.py           # about four hours on a 2-core CPU, alone
 
-Five measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
+Seven measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
 learning curves (docs/real-model/accuracy.png):
 1. learning: grpo.py on the sums task with the command of docs/real-model.md: the whole command's minutes and peak
    resident memory, the held-out accuracy at every evaluation, and what the model answered before and after;
-2. the same with a LoRA adapter (--lora-rank 16, ten times the learning rate) beside it;
-3. every script for 2 steps with a small batch and its defaults for a pretrained model: seconds per step, peak memory;
-4. grpo.py for 2 steps with one memory or speed flag changed at a time, LoRA's among them;
-5. one GRPO step taken apart in a fresh process: generation, the no-grad log-prob passes and the update, each timed,
+2. the same with a LoRA adapter (--lora-rank 16) at 10, 20 and 30 times the learning rate, and at 20 times with an
+   evaluation every 8 steps instead of 4;
+3. the 2025 additions (cispo, reinforce_pp, sapo, opd) with the learning command;
+4. every script for 2 steps with a small batch and its defaults for a pretrained model: seconds per step, peak memory;
+5. grpo.py for 2 steps with one memory or speed flag changed at a time, LoRA's among them;
+6. the memory formula of memory_plan.py against measured peaks, full and LoRA;
+7. one GRPO step taken apart in a fresh process: generation, the no-grad log-prob passes and the update, each timed,
    the peak memory after each, and generation's time by operator (torch.profiler).
 Complete runs under --runs-dir are reused unless --fresh, so an interrupted benchmark resumes where it stopped.
 """
@@ -42,9 +45,18 @@ FLAG_VARIANTS = {
     "--lora-rank 16 --micro-batch-size 4 --gradient-checkpointing": ["--lora-rank", "16", "--micro-batch-size", "4"]
     + ["--gradient-checkpointing"],
 }
-# The learning command with a LoRA adapter of rank 16 instead of every weight, at ten times the full run's learning rate
-# (the ratio "LoRA Without Regret", Schulman et al. 2025, found optimal across models and tasks; alpha 32, scale 2)
-LORA_LEARN = [v if v != "1e-5" else "1e-4" for v in LEARN] + ["--lora-rank", "16"]
+
+
+def with_values(flags: list[str], changes: dict[str, str]) -> list[str]:
+    """FLAGS with the value after each flag named in CHANGES replaced."""
+    return [changes.get(flags[i - 1], v) if i else v for i, v in enumerate(flags)]
+
+
+# The learning command with a LoRA adapter of rank 16 instead of every weight, at three learning rates around ten times
+# the full run's (the ratio "LoRA Without Regret", Schulman et al. 2025, found best across models and tasks), then the
+# best of them evaluated every 8 steps instead of 4 (an evaluation costs a LoRA run 65 s on this CPU)
+LORA_RATES = {rate: with_values(LEARN, {"--learning-rate": rate}) + ["--lora-rank", "16"] for rate in ("1e-4", "2e-4", "3e-4")}
+LORA_LEARN = with_values(LORA_RATES["2e-4"], {"--eval-every": "8"})
 
 
 @dataclass
@@ -122,27 +134,73 @@ def learning(args: Args) -> list[str]:
 
 
 def lora_learning(args: Args) -> list[str]:
-    """The learning command with --lora-rank 16, beside the full run: accuracy, time, memory, trained parameters."""
+    """The learning command with --lora-rank 16 at three rates, and the chosen rate with fewer evaluations, beside the
+    full run: accuracy, time, memory, trained parameters."""
     full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
+    sweep = {
+        rate: run_measured(
+            "grpo.py", ["--model-name-or-path", args.model_dir, *flags], f"{args.runs_dir}/learn-lora-{rate}", args.fresh
+        )
+        for rate, flags in LORA_RATES.items()
+    }
     out = f"{args.runs_dir}/learn-lora"
     run = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LORA_LEARN], out, args.fresh)
     with open(f"{out}/log.txt") as f:
-        trained = next(line.strip() for line in f if line.startswith("--lora-rank"))
-    plot_learning(
-        {"every weight, lr 1e-5": evaluations(full["rows"]), "LoRA rank 16, lr 1e-4": evaluations(run["rows"])},
-        os.path.join(args.docs_dir, "accuracy.png"),
-    )
+        trained = next(line.strip().split(": ", 1)[1] for line in f if line.startswith("--lora-rank"))
+    curves = {"every weight, lr 1e-5": evaluations(full["rows"])}
+    curves.update({f"LoRA rank 16, lr {rate}": evaluations(r["rows"]) for rate, r in sweep.items()})
+    plot_learning(curves, os.path.join(args.docs_dir, "accuracy.png"))
+    minutes = lambda r: f"{r['seconds'] / 60:.1f}" if r["seconds"] else "not alone"  # noqa: E731
     lines = [
         f"`python grpo.py --model-name-or-path MODEL_DIR {' '.join(LORA_LEARN)}` ({trained}): {run['seconds'] / 60:.1f} "
         f"minutes for the whole command, peak resident memory {gib(run['peak_bytes'])} GiB (every weight: "
-        f"{full['seconds'] / 60:.1f} minutes, {gib(full['peak_bytes'])} GiB), {step_seconds(run['rows'])} s per step.",
+        f"{full['seconds'] / 60:.1f} minutes, {gib(full['peak_bytes'])} GiB), {step_seconds(run['rows'])} s per step "
+        f"(rollout {step_seconds(run['rows'], 'time/rollout')} s), each evaluation {eval_seconds(run['rows']):.0f} s.",
         "",
-        "| step | held-out accuracy, LoRA | every weight |",
-        "| --- | --- | --- |",
+        "Held-out accuracy:",
+        "",
+        "| step | " + " | ".join(f"LoRA, lr {rate}" for rate in LORA_RATES) + " | LoRA, lr 2e-4, evaluated every 8 steps "
+        "| every weight, lr 1e-5 |",
+        "| --- " * (len(LORA_RATES) + 3) + "|",
     ]
-    accuracy = {r["step"]: r["eval/accuracy"] for r in full["rows"] if "eval/accuracy" in r}
-    for step, _, value in evaluations(run["rows"]):
-        lines.append(f"| {step} | {value:.1%} | {accuracy[step]:.1%} |")
+    by_step = lambda r: {step: accuracy for step, _, accuracy in evaluations(r["rows"])}  # noqa: E731
+    columns = [by_step(r) for r in [*sweep.values(), run, full]]
+    for step in sorted(by_step(full)):
+        lines.append(f"| {step} | " + " | ".join(f"{c[step]:.1%}" if step in c else "-" for c in columns) + " |")
+    lines += ["", "| run | minutes for the whole command | peak resident memory (GiB) |", "| --- | --- | --- |"]
+    for label, r in [
+        *((f"LoRA, lr {rate}", r) for rate, r in sweep.items()),
+        ("LoRA, lr 2e-4, every 8", run),
+        ("every weight", full),
+    ]:
+        lines.append(f"| {label} | {minutes(r)} | {gib(r['peak_bytes']) if r['peak_bytes'] else '-'} |")
+    return lines
+
+
+def additions_learning(args: Args) -> list[str]:
+    """The 2025 additions with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's; opd with one
+    response to each of 32 prompts (its default shape: no group needed) and the learning run's GRPO model as teacher."""
+    full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
+    opd = [
+        "--task",
+        "sums",
+        "--num-prompts",
+        "32",
+        "--group-size",
+        "1",
+        *LEARN[6:],
+        "--teacher",
+        f"{args.runs_dir}/learn/model",
+    ]
+    steps = ", ".join(str(step) for step, _, _ in evaluations(full["rows"]))
+    lines = [f"| script | flags beyond the model | held-out accuracy at steps {steps} | minutes | peak memory (GiB) |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for script, flags in {"grpo": LEARN, "cispo": LEARN, "reinforce_pp": LEARN, "sapo": LEARN, "opd": opd}.items():
+        out = f"{args.runs_dir}/learn" if script == "grpo" else f"{args.runs_dir}/learn-{script}"
+        run = run_measured(f"{script}.py", ["--model-name-or-path", args.model_dir, *flags], out, args.fresh)
+        curve = " -> ".join(f"{accuracy:.1%}" for _, _, accuracy in evaluations(run["rows"]))
+        shown = " ".join(flags).replace(f"{args.runs_dir}/", "")
+        lines.append(f"| `{script}.py` | `{shown}` | {curve} | {run['seconds'] / 60:.1f} | {gib(run['peak_bytes'])} |")
     return lines
 
 
@@ -401,6 +459,10 @@ if __name__ == "__main__":
         "## Learning with a LoRA adapter",
         "",
         *lora_learning(args),
+        "",
+        "## The 2025 additions learning",
+        "",
+        *additions_learning(args),
         "",
         "## Every script, 2 steps",
         "",

@@ -28,6 +28,13 @@ def test_minutes_to_accuracy():
     assert benchmark.minutes_to(rows, 0.99) is None
 
 
+def test_responses_to_accuracy():
+    rows = run([0.5, 0.8, 0.92, 0.85, 0.95], responses_per_eval=256)
+    assert benchmark.responses_to_reach(rows, 0.9) == 512  # the first evaluation at or above the bar, not a later one
+    assert benchmark.responses_to_reach(rows, 0.5) == 0  # the step-0 evaluation, before any response
+    assert benchmark.responses_to_reach(rows, 0.99) is None
+
+
 def test_an_algorithm_with_fewer_seeds_is_named_with_them():
     assert benchmark.name_with_seeds("grpo", [1, 2, 3], [1, 2, 3]) == "grpo"
     assert benchmark.name_with_seeds("cispo", [1], [1, 2, 3]) == "cispo (seed 1)"
@@ -45,12 +52,13 @@ def test_summary_table_statistics():
     assert a[3] == "-"  # no whole-command time recorded for these runs
     assert a[4] == "2.0 (2.0-2.0)"  # training minutes at the last row: mean (range)
     assert a[5] == "not reached"  # one seed never reaches 90%
-    assert a[6] == "0.75"  # median of all step times (0.5, 1.0, 0.5, 1.0)
-    assert a[7] == "200"
+    assert a[6] == "100 / -"  # each seed's responses generated when it first reached 90%
+    assert a[7] == "0.75"  # median of all step times (0.5, 1.0, 0.5, 1.0)
+    assert a[8] == "200"
     results = {"a": [run([0.5, 0.9, 1.0]), run([0.5, 0.5, 0.95], minutes_per_eval=2.0)]}
     results["a"][0][0]["time/command"], results["a"][1][0]["time/command"] = 150.0, 300.0
     a = [c.strip() for c in benchmark.summary_table(results, 0.9).splitlines()[2].strip("|").split("|")]
-    assert a[3] == "3.8 (2.5-5.0)" and a[4] == "3.0 (2.0-4.0)" and a[5] == "2.5 (1.0-4.0)"
+    assert a[3] == "3.8 (2.5-5.0)" and a[4] == "3.0 (2.0-4.0)" and a[5] == "2.5 (1.0-4.0)" and a[6] == "100 / 200"
 
 
 def test_rlhf_summary_reports_the_best_gold_evaluation_and_the_proxy():
