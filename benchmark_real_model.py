@@ -173,17 +173,7 @@ def additions_learning(args: Args) -> list[str]:
     """The 2025 additions with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's; opd with one
     response to each of 32 prompts (its default shape: no group needed) and the learning run's GRPO model as teacher."""
     full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
-    opd = [
-        "--task",
-        "sums",
-        "--num-prompts",
-        "32",
-        "--group-size",
-        "1",
-        *LEARN[6:],
-        "--teacher",
-        f"{args.runs_dir}/learn/model",
-    ]
+    opd = with_values(LEARN, {"--num-prompts": "32", "--group-size": "1"}) + ["--teacher", f"{args.runs_dir}/learn/model"]
     steps = ", ".join(str(step) for step, _, _ in evaluations(full["rows"]))
     lines = [f"| script | flags beyond the model | held-out accuracy at steps {steps} | minutes | peak memory (GiB) |"]
     lines.append("| --- | --- | --- | --- | --- |")
