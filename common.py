@@ -53,20 +53,24 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, stop_ids=(), done=None):
     """Sample completions token by token with a KV cache. temperature > 0 samples from softmax(logits / temperature)
     with no top-k or top-p, so that the behaviour policy is exactly the one whose log-probs the scripts compute;
-    temperature == 0 is greedy. Returns completion ids (B, T) (pad after the first EOS), mask (B, T), truncated (B,)."""
+    temperature == 0 is greedy. A row ends at its first EOS, or at its first id of `stop_ids` (grpo_tools.py: where a
+    tool call closes); rows marked in `done` (B,) are finished already and get only padding. Returns completion ids
+    (B, T) (pad after the first EOS), mask (B, T), truncated (B,)."""
     from transformers import DynamicCache
 
-    eos_ids, pad_token_id = torch.tensor(eos_token_ids(model, tokenizer), device=prompt_ids.device), tokenizer.pad_token_id
+    eos_ids = torch.tensor(eos_token_ids(model, tokenizer) + list(stop_ids), device=prompt_ids.device)
+    pad_token_id = tokenizer.pad_token_id
     if not prompt_mask[:, -1].all():
         raise ValueError("generate needs left-padded prompts (see tokenize_prompts)")
     # the prompt pass, the longest, runs once per distinct prompt (a group's G copies share it); its cache is then copied
     distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
     input_ids, attention_mask = distinct.split(prompt_ids.shape[1], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # positions count from each row's first real token
-    cache, done, tokens = DynamicCache(), torch.zeros(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool) if done is None else done.clone()
+    cache, done, tokens = DynamicCache(), done.to(prompt_ids.device), []
     for t in range(max_new_tokens):
         with autocast(prompt_ids.device):
             out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, logits_to_keep=1)

@@ -70,13 +70,14 @@ class Args:
 # ---------------------------------------------------------------------------------------------------------------------
 
 CHARS = "0123456789+-*= "
+TOOL_CHARS = "<>[]()/.:abcdefghijklmnopqrstuvwxyz"  # the multiplication task's extra characters: calls, tool answers
 
 
-def build_tokenizer():
+def build_tokenizer(extra_chars: str = ""):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *CHARS])}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *CHARS, *extra_chars])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()  # join characters back without spaces
@@ -104,12 +105,17 @@ def build_tiny_model(tokenizer, max_positions: int = 64):
     return LlamaForCausalLM(config)
 
 
+MULTIPLICATION_STEPS = 600  # the multiplication warm-up's steps: enough to learn the call format and to copy an answer
+
+
 def warm_up_args(task: str) -> Args:
     """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 21-31
     tokens long, so one step of the warm-up moves its accuracy less; it stops at about a third right, leaving room for
     RL, and its model needs positions for a prompt of 8 tokens and a response of up to 64."""
     if task == "scratchpad":
         return Args(task=task, target_accuracy=0.3, tolerance=0.04, approach_accuracy=0.15, max_steps=4000, max_positions=128)
+    if task == "multiplication":  # a fixed number of steps: only a quarter of the solutions call the tool (see tasks.py),
+        return Args(task=task, max_steps=MULTIPLICATION_STEPS, check_every=MULTIPLICATION_STEPS, target_accuracy=1.0)
     return Args(task=task)
 
 
@@ -129,15 +135,30 @@ def check_args(args: Args) -> None:
     checks.writable_dir("--output-dir", args.output_dir)
 
 
+def written_by_environment(text: str) -> list[bool]:
+    """For each character of `text` (a token of the built-in tokenizer): whether it lies in a tool's answer "[...]",
+    brackets included: text that the environment writes in a rollout, and that the warm-up does not train on either."""
+    inside, marks = False, []
+    for c in text:
+        inside = inside or c == "["
+        marks.append(inside)
+        inside = inside and c != "]"
+    return marks
+
+
 def encode(tokenizer, batch: dict, device: torch.device):
     """ "prompt + solution + EOS", left-padded: input_ids, attention_mask, position_ids and is_answer, all (B, L), where
-    is_answer marks the solution's tokens and its EOS (the last answer_len positions of each row). The solution is the
-    answer itself on the addition task, the worked columns and the answer on the scratchpad task."""
+    is_answer marks the solution's tokens and its EOS (the last answer_len positions of each row) but a tool's answers. The
+    solution is the answer itself on the addition task, the worked columns and the answer on the scratchpad task, and on
+    the multiplication task the product or a call, the tool's answer and the product."""
     answers = [a + tokenizer.eos_token for a in batch["solution"]]
     input_ids, attention_mask = common.tokenize_prompts(tokenizer, [p + a for p, a in zip(batch["prompt"], answers)], device)
     answer_len = torch.tensor([len(tokenizer(a, add_special_tokens=False).input_ids) for a in answers], device=device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     is_answer = torch.arange(input_ids.shape[1], device=device) >= input_ids.shape[1] - answer_len[:, None]  # (B, L)
+    # multiplication: a tool's answer "[...]" in a solution is the environment's text, never trained on (grpo_tools.py)
+    by_environment = [written_by_environment(p + s) + [False] for p, s in zip(batch["prompt"], batch["solution"])]  # + EOS
+    is_answer &= ~common.cat_padded([torch.tensor([row]) for row in by_environment], False, left=True).to(device)
     return input_ids, attention_mask, position_ids, is_answer
 
 
@@ -161,7 +182,7 @@ def warm_up(args: Args) -> dict:
     device = dist.init_device(args.device)
     common.seed_everything(args.seed)
     task = tasks.make_task(args.task)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(TOOL_CHARS if args.task == "multiplication" else "")
     model = build_tiny_model(tokenizer, args.max_positions).to(device)
     (model,) = dist.prepare_models(args, model)  # under torchrun: rank 0's initial weights on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)

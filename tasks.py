@@ -54,8 +54,8 @@ def split_by_key(dataset, num_held_out: int, key: Callable[[dict], object], seed
 
 
 def addition_operands(row: dict) -> tuple[int, int]:
-    """The unordered pair {a, b} of an addition prompt "aa+bb=": a problem and its commuted twin share it."""
-    a, b = row["prompt"].rstrip("=").split("+")
+    """The unordered pair {a, b} of a built-in prompt "aa+bb=" (or "a*b="): a problem and its commuted twin share it."""
+    a, b = re.split(r"[+*]", row["prompt"].rstrip("="))
     return tuple(sorted((int(a), int(b))))
 
 
@@ -120,6 +120,47 @@ def make_scratchpad_task(num_eval: int = 500, num_problems: int = 20000) -> Task
     return Task("scratchpad", train, held_out, scratchpad_answer, max_new_tokens=64)
 
 
+def multiplication_answer(completion: str) -> str | None:
+    """The model's final answer: what it wrote after the last tool result "[...]" (all of it when it called no tool)."""
+    return completion.rsplit("]", 1)[-1].strip() or None
+
+
+def make_multiplication_task(num_eval: int = 500, tool_share: float = 0.25, num_problems: int = 20000) -> Task:
+    """The built-in tool task: "347*86=", a three-digit times a two-digit number, answered by the product's digits, then
+    EOS. A 1M-parameter model cannot multiply such numbers, but it can call the calculator (grpo_tools.py) in the
+    compact format of tools.CompactFormat and copy its answer: "<347*86>" (the call, written by the model), "[29842]"
+    (written by the environment), "29842" (the model again). The warm-up imitates `solution`, which uses the tool for a
+    `tool_share` of the training problems (drawn at random) and states the product outright for the others: the
+    starting policy sometimes calls the tool and often guesses, and RL has something to discover. The held-out split is
+    split by the unordered pair of operands; `num_problems` distinct problems are drawn (fixed seed) from the 81,000."""
+    import datasets
+
+    rng = random.Random(2468)
+    problems = list(dict.fromkeys((rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(2 * num_problems)))
+    problems = problems[:num_problems]
+    solutions = [f"<{a}*{b}>[{a * b}]{a * b}" if rng.random() < tool_share else str(a * b) for a, b in problems]
+    dataset = datasets.Dataset.from_dict(
+        {"prompt": [f"{a}*{b}=" for a, b in problems], "answer": [str(a * b) for a, b in problems], "solution": solutions}
+    )
+    train, held_out = split_by_key(dataset, num_eval, addition_operands, seed=1234)
+    return Task("multiplication", train, held_out, multiplication_answer, max_new_tokens=32)
+
+
+def make_products_task(num_eval: int = 200) -> Task:
+    """The tool task for a chat model: "What is 347 * 86?", a three-digit times a two-digit number, rewarded when the
+    last number of the model's final turn is the product (the gsm8k verifier), with 96 tokens for the whole
+    conversation after the prompt (the model's turns and the tool's answers)."""
+    import datasets
+
+    rng = random.Random(1357)
+    problems = list(dict.fromkeys((rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(20000)))
+    prompts, answers = [f"What is {a} * {b}?" for a, b in problems], [str(a * b) for a, b in problems]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
+    operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))  # noqa: E731
+    train, held_out = split_by_key(dataset, num_eval, operands, seed=1234)
+    return Task("products", train, held_out, gsm8k_answer, max_new_tokens=96)
+
+
 def gsm8k_answer(completion: str) -> str | None:
     numbers = re.findall(r"-?\d[\d,]*\.?\d*", completion)
     return numbers[-1].replace(",", "").rstrip(".") if numbers else None
@@ -167,8 +208,10 @@ TASKS: dict[str, Callable[[], Task]] = {
     "scratchpad": make_scratchpad_task,
     "gsm8k": make_gsm8k_task,
     "sums": make_sums_task,
+    "multiplication": make_multiplication_task,
+    "products": make_products_task,
 }
-BUILTIN_TASKS = ("addition", "scratchpad")  # the tasks the built-in model can be warmed up on
+BUILTIN_TASKS = ("addition", "scratchpad", "multiplication")  # the tasks the built-in model can be warmed up on
 
 
 # Each task's verifier and generation budget, for a user's data scored like the task (--dataset), and the system
@@ -179,6 +222,7 @@ INSTRUCTIONS = {
     "scratchpad": "Add the two numbers column by column from the ones digit, like 2+6=8 8+9=17 4+3+1=8, then = and the sum.",
     "gsm8k": "Solve the problem step by step. End your reply with the final answer as a plain number.",
     "sums": "Solve the problem step by step. End your reply with the final answer as a plain number.",
+    "products": "Answer with the final result as a plain number.",
 }
 
 

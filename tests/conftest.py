@@ -29,3 +29,17 @@ def teacher_dir(model_dir, tmp_path_factory):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """A tiny model after a short warm-up on the multiplication task (grpo_tools.py's): it has the tool task's vocabulary
+    and has begun to write calls."""
+    path = str(tmp_path_factory.mktemp("warm_tools") / "model")
+    steps = 60
+    sft.warm_up(
+        sft.Args(
+            task="multiplication", output_dir=path, max_steps=steps, check_every=steps, target_accuracy=2.0, num_check=100
+        )
+    )
+    return path

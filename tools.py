@@ -1,0 +1,223 @@
+"""Tools a model may call during a rollout (grpo_tools.py), and the two formats in which it calls them.
+
+A tool is a plain Python function with a name, a docstring and typed arguments; it returns text. The calculator is the
+one shipped here. What a model writes is untrusted input, like anything a user types into a web form: a model that
+is rewarded for right answers will write whatever gets them, and a sampled model also writes garbage. So the
+calculator never hands model text to `eval` (which would run any Python, `__import__('os').system(...)` included): it
+parses arithmetic itself, and it bounds the length of the expression, its nesting, the size of every number and the
+time it takes, so that `9**9**9` is refused at once instead of filling the memory. Every failure, of the calculator or
+of any tool (an unknown tool, a tool that raises), goes back to the model as the tool's answer, "error: ...", and is
+counted; none stops the run.
+
+The two call formats (one rollout loop, see grpo_tools.py):
+- CompactFormat, for the built-in model and its character vocabulary: the model writes <347*86>, which ends its turn
+  (the ">" is a stop token), and the environment appends the answer in brackets, [29842].
+- ChatFormat, for a chat model: the model ends its turn as usual (end-of-turn token) with a call in it, <calc>347 *
+  86</calc> (or a <tool_call>{"name": ..., "arguments": ...}</tool_call> of a template that knows tools); the
+  environment appends the answer as a `tool` message rendered by the model's own chat template, followed by the opening
+  of the next assistant turn. Only that suffix is tokenized: the ids already in the context never change.
+"""
+
+import json
+import math
+import re
+import time
+from fractions import Fraction
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The calculator: arithmetic parsed by hand, every resource bounded
+# ---------------------------------------------------------------------------------------------------------------------
+
+MAX_CHARS = 200  # longest expression read
+MAX_DEPTH = 30  # deepest nesting of parentheses and signs
+MAX_DIGITS = 100  # the largest magnitude of a number, a result or anything in between: 10^100
+MAX_SECONDS = 0.05  # wall-clock time of one evaluation
+
+
+class ToolError(Exception):
+    """A failure the model is told about, as the tool's answer."""
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly and return the result.
+
+    Args:
+        expression: integers or decimals with + - * / ** and parentheses, for example "347 * 86" or "(2 + 3) ** 2"
+    """
+    if not isinstance(expression, str):
+        raise ToolError("the expression must be text")
+    if len(expression) > MAX_CHARS:
+        raise ToolError(f"expression longer than {MAX_CHARS} characters")
+    tokens = re.findall(r"\d+(?:\.\d+)?|\*\*|\S", expression.replace("×", "*").replace("÷", "/"))
+    parser = _Parser(tokens, deadline=time.monotonic() + MAX_SECONDS)
+    value = parser.sum(depth=0)
+    if parser.pos != len(tokens):
+        raise ToolError(f"syntax: unexpected {tokens[parser.pos]}")
+    if value.denominator == 1:
+        return str(value.numerator)
+    return f"{value.numerator / value.denominator:.6f}".rstrip("0")  # a fraction: six decimals
+
+
+def _bounded(value: Fraction) -> Fraction:
+    if abs(value.numerator) >= 10**MAX_DIGITS or value.denominator >= 10**MAX_DIGITS:
+        raise ToolError("number too large")
+    return value
+
+
+class _Parser:
+    """Recursive descent over the grammar, the usual precedence (** binds tighter than a sign, as in Python):
+    sum := product (("+" | "-") product)*    product := signed (("*" | "/") signed)*
+    signed := ("+" | "-") signed | power      power := atom ("**" signed)?      atom := number | "(" sum ")" """
+
+    def __init__(self, tokens: list[str], deadline: float):
+        self.tokens, self.pos, self.deadline = tokens, 0, deadline
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> str:
+        token = self.peek()
+        if token is None:
+            raise ToolError("syntax: the expression ends too early")
+        self.pos += 1
+        return token
+
+    def check(self, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ToolError(f"nested deeper than {MAX_DEPTH}")
+        if time.monotonic() > self.deadline:
+            raise ToolError("took too long")
+
+    def sum(self, depth: int) -> Fraction:
+        value = self.product(depth)
+        while self.peek() in ("+", "-"):
+            value = _bounded(value + self.product(depth) if self.take() == "+" else value - self.product(depth))
+        return value
+
+    def product(self, depth: int) -> Fraction:
+        value = self.signed(depth)
+        while self.peek() in ("*", "/"):
+            op, right = self.take(), self.signed(depth)
+            if op == "/" and right == 0:
+                raise ToolError("division by zero")
+            value = _bounded(value * right if op == "*" else value / right)
+        return value
+
+    def signed(self, depth: int) -> Fraction:
+        self.check(depth)
+        if self.peek() in ("+", "-"):
+            return -self.signed(depth + 1) if self.take() == "-" else self.signed(depth + 1)
+        return self.power(depth)
+
+    def power(self, depth: int) -> Fraction:
+        base = self.atom(depth)
+        if self.peek() != "**":
+            return base
+        self.take()
+        exponent = self.signed(depth + 1)
+        if exponent.denominator != 1:
+            raise ToolError("only whole-number powers")
+        if base == 0:
+            if exponent < 0:
+                raise ToolError("division by zero")
+            return Fraction(int(exponent == 0))
+        if abs(base) == 1:  # 1 or -1 to any power, however large
+            return Fraction(1 if base == 1 or exponent.numerator % 2 == 0 else -1)
+        # the size of the result before computing it: |base|^e has e * log10|base| digits, above or below the point
+        digits = abs(exponent) * abs(math.log10(abs(base.numerator)) - math.log10(base.denominator))
+        if digits > MAX_DIGITS:
+            raise ToolError("number too large")
+        return _bounded(base**exponent.numerator)
+
+    def atom(self, depth: int) -> Fraction:
+        token = self.take()
+        if token == "(":
+            self.check(depth + 1)
+            value = self.sum(depth + 1)
+            if self.take() != ")":
+                raise ToolError("syntax: missing )")
+            return value
+        if re.fullmatch(r"\d+(?:\.\d+)?", token):
+            if len(token) > MAX_DIGITS:
+                raise ToolError("number too large")
+            return Fraction(token)
+        raise ToolError(f"syntax: unexpected {token[:20]}")
+
+
+TOOLS = {"calculator": calculator}  # the tools a model may call, by name
+
+
+def run_tool(tools: dict, name: str | None, arguments: dict) -> tuple[str, bool]:
+    """Call the tool `name` with `arguments`: (its answer, whether it failed). Nothing a tool does can stop the run: an
+    unknown tool, wrong arguments or any exception come back as the answer "error: ...", to be shown to the model."""
+    if name not in tools:
+        return f"error: unknown tool {str(name)[:40]}", True
+    try:
+        return str(tools[name](**arguments)), False
+    except ToolError as e:
+        return f"error: {e}", True
+    except Exception as e:  # a tool's own bug, or arguments it does not take: contained, told to the model
+        return f"error: {name} raised {type(e).__name__}: {str(e)[:100]}", True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Call formats: where a model's turn stops, how a call is read from it, which ids the environment appends
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class CompactFormat:
+    """For a model without a chat template (the built-in model): "<EXPRESSION>" calls the calculator and ends the turn;
+    the environment appends "[RESULT]". "347*86=" -> model "<347*86>" -> environment "[29842]" -> model "29842"."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stop_ids = tokenizer(">", add_special_tokens=False).input_ids  # a turn also ends where a call closes
+
+    def find_call(self, turn: str) -> tuple[str, dict] | None:
+        """The call that ends this turn of the model, as (tool name, arguments), or None: the model answered."""
+        if not turn.endswith(">") or "<" not in turn:
+            return None
+        return "calculator", {"expression": turn[turn.rindex("<") + 1 : -1]}
+
+    def result_ids(self, result: str) -> list[int]:
+        return self.tokenizer(f"[{result}]", add_special_tokens=False).input_ids
+
+
+class ChatFormat:
+    """For a chat model: a call inside the assistant's turn, which ends with the end-of-turn token as every turn does;
+    the answer comes back as a `tool` message of the model's chat template. The ids the environment appends are the
+    text the template adds after the model's end-of-turn token: the rest of that turn's closing, the tool message, and
+    the opening of the next assistant turn."""
+
+    CALL = re.compile(r"<calc>(.*?)</calc>|<tool_call>(.*?)</tool_call>", re.DOTALL)
+    INSTRUCTION = (
+        "You have a calculator. To use it, write <calc>EXPRESSION</calc>, for example <calc>12 * 34</calc>, and end your "
+        "reply; its result comes back in the next message, and you continue from there."
+    )
+
+    def __init__(self, tokenizer, eos_ids: list[int]):
+        self.tokenizer, self.stop_ids = tokenizer, []
+        marker_a, marker_t = "\x00ASSISTANT\x00", "\x00TOOL\x00"
+        conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker_a}]
+        conversation.append({"role": "tool", "content": marker_t})
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        after_turn = text[text.index(marker_a) + len(marker_a) :]  # the model's end-of-turn token, then the template's
+        eos = [e for e in (tokenizer.decode([i]) for i in eos_ids) if after_turn.startswith(e)]
+        if not eos:
+            raise SystemExit("the chat template does not end an assistant turn with the model's end-of-turn token")
+        self.before, self.after = after_turn[len(eos[0]) :].split(marker_t)  # around the tool's answer
+
+    def find_call(self, turn: str) -> tuple[str, dict] | None:
+        match = self.CALL.search(turn)
+        if match is None:
+            return None
+        if match.group(1) is not None:
+            return "calculator", {"expression": match.group(1).strip()}
+        try:  # a template that knows tools: {"name": ..., "arguments": {...}}
+            call = json.loads(match.group(2))
+            return str(call["name"]), dict(call.get("arguments") or {})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None, {}  # run_tool answers: error, unknown tool
+
+    def result_ids(self, result: str) -> list[int]:
+        return self.tokenizer(self.before + result + self.after, add_special_tokens=False).input_ids
