@@ -4,6 +4,7 @@
     python benchmark.py                       # 2 tasks x 11 algorithms x 3 seeds, one after another (hours on a CPU)
     python benchmark.py --tasks addition      # one task
     python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
+    python benchmark.py --tools               # tool use: grpo_tools.py against grpo.py on the multiplication task
 
 Each run writes runs/benchmark/<task>/<algorithm>__<seed>/metrics.jsonl; complete runs are reused unless --fresh, so
 an interrupted benchmark resumes where it stopped. The charts and a markdown table of each task go to docs/<task>/.
@@ -21,7 +22,6 @@ from dataclasses import dataclass, field
 import tyro
 
 import common
-import tasks
 from plumbing import checks
 
 ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo", "cispo", "reinforce_pp", "sapo", "opd"]
@@ -30,7 +30,7 @@ TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to
 
 @dataclass
 class Args:
-    tasks: list[str] = field(default_factory=lambda: list(tasks.BUILTIN_TASKS))
+    tasks: list[str] = field(default_factory=lambda: ["addition", "scratchpad"])
     """which built-in tasks"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """seeds of every algorithm"""
@@ -57,6 +57,10 @@ class Args:
     """ppo.py steps against the learned reward model: long enough to see whether the gold accuracy follows the proxy"""
     rlhf_betas: list[float] = field(default_factory=lambda: [0.5, 0.05])
     """one ppo.py run against the reward model per KL coefficient --beta (0.05: ppo.py's default, tuned for the verifier)"""
+    tools: bool = False
+    """instead of the table: the multiplication task, from its one cached warm-up, with grpo_tools.py, with grpo.py (no
+    tools) and with a copy of grpo_tools.py whose one changed line trains on the environment's tokens too, for --seeds
+    (into RUNS_DIR/tools, with its table, chart and trajectories in DOCS_DIR/tools)"""
     memory: bool = False
     """instead of the table: the peak memory of one log-prob pass at Qwen2.5's vocabulary (8 responses of 256 tokens),
     without and with a gradient, against its fp32 logits, each in a fresh process (to DOCS_DIR/memory.md)"""
@@ -108,7 +112,8 @@ def run_once(script: str, flags: list[str], out: str, fresh: bool, label: str) -
     if fresh or not complete(path):
         print(f"{label} ...", flush=True)
         start = time.time()
-        env = {**os.environ, "TQDM_DISABLE": "1"}
+        path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))  # a copy elsewhere imports ours
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": path}
         cmd = [sys.executable, f"{script}.py", *flags, "--output-dir", out]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -281,6 +286,78 @@ def plot_task(results: dict, task: str, d: str) -> None:
         plot(results, key, f"{task}: {what}{smoothed}", unit, f"{d}/{name}.png")
     title = f"{task}: zero-variance groups, which get no gradient from a group baseline{smoothed}"
     plot_zero_variance(results, title, f"{d}/zero_variance_groups.png")
+
+
+# The one line that the experiment of docs/tools.md changes in a copy of grpo_tools.py: the loss mask becomes every id of
+# the conversation, the environment's too.
+MASKED_LINE = "        mask = conversations.by_model  # (B, T)  # TOOLS: the loss mask: only the ids the model sampled\n"
+TRAINED_LINE = "        mask = conversations.valid  # (B, T)  # EXPERIMENT: the environment's ids are trained on too\n"
+TOOL_RUNS = {  # name in the table: (script, flags)
+    "grpo_tools": ("grpo_tools", []),
+    "grpo.py (no tools, its 200 steps)": ("grpo", ["--task", "multiplication"]),
+    "grpo_tools, environment's ids trained on": ("grpo_tools_environment_trained", []),
+}
+
+
+def run_tools(args: Args) -> dict:
+    """Every run of TOOL_RUNS for every seed on the multiplication task, from the same cached warm-up. The copy of
+    grpo_tools.py with TRAINED_LINE is written into RUNS_DIR/tools and run from there. Returns {name: [rows per seed]}."""
+    out = os.path.join(args.runs_dir, "tools")
+    os.makedirs(out, exist_ok=True)
+    with open("grpo_tools.py") as f:
+        source = f.read()
+    if source.count(MASKED_LINE) != 1:
+        raise SystemExit("benchmark.py --tools: grpo_tools.py no longer has MASKED_LINE; update benchmark.py")
+    with open(os.path.join(out, "grpo_tools_environment_trained.py"), "w") as f:
+        f.write(source.replace(MASKED_LINE, TRAINED_LINE))
+    warm_up = "from plumbing import models; models.resolve_model_path('builtin', '', 'multiplication')"
+    subprocess.run([sys.executable, "-c", warm_up], check=True)
+    results = {}
+    for name, (script, flags) in TOOL_RUNS.items():
+        path = os.path.join(out, script) if script.endswith("_trained") else script
+        results[name] = [
+            run_once(
+                path,
+                [*flags, "--seed", str(seed)],
+                os.path.join(out, f"{script}__{seed}"),
+                args.fresh,
+                f"tools: {name} seed {seed}",
+            )
+            for seed in args.seeds
+        ]
+    return results
+
+
+def tools_summary(results: dict) -> str:
+    """The table of every run (summary_table at 90%), then per run the tool metrics of the last evaluation and of the
+    first and last training steps, each the mean over seeds."""
+    lines = [summary_table(results, 0.9), ""]
+    lines += [
+        "| run | called a tool (held out, greedy) | accuracy with a call | without a call | log-prob of the tools' answers, "
+        "first step -> last (nats per token) | tokens by the model / by the environment (samples, last step) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in results.items():
+        evals = [[r for r in rows if "eval/accuracy" in r][-1] for rows in runs]
+        firsts = [[r for r in rows if "rollout/gold_accuracy" in r][0] for rows in runs]
+        lasts = [[r for r in rows if "rollout/gold_accuracy" in r][-1] for rows in runs]
+        cells = [name]
+        for key in ("eval/called_tool_frac", "eval/accuracy_with_call", "eval/accuracy_without_call"):
+            cells.append(f"{mean_of(evals, key):.3f}" if mean_of(evals, key) is not None else "-")
+        probe = "train/environment_logprob"
+        cells.append(
+            f"{mean_of(firsts, probe):.2f} -> {mean_of(lasts, probe):.2f}" if mean_of(lasts, probe) is not None else "-"
+        )
+        by_model, by_env = mean_of(lasts, "rollout/tokens_by_model"), mean_of(lasts, "rollout/tokens_by_environment")
+        cells.append(f"{by_model:.1f} / {by_env:.1f}" if by_model is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def mean_of(rows: list[dict], key: str):
+    """The mean of `key` over the rows that logged it (None if none did)."""
+    values = [r[key] for r in rows if key in r]
+    return statistics.mean(values) if values else None
 
 
 def run_rlhf(args: Args) -> tuple[list[dict], dict[float, list[dict]]]:
@@ -468,8 +545,8 @@ if __name__ == "__main__":
         raise SystemExit("--seeds: give at least one seed")
     if args.eval_every < 0:
         raise SystemExit(f"--eval-every {args.eval_every}: must be >= 0 (0: each script's default)")
-    if not args.tasks or set(args.tasks) - set(tasks.BUILTIN_TASKS):
-        raise SystemExit(f"--tasks {' '.join(args.tasks)}: allowed values are {', '.join(tasks.BUILTIN_TASKS)}")
+    if not args.tasks or set(args.tasks) - set(TARGET):  # (multiplication: --tools)
+        raise SystemExit(f"--tasks {' '.join(args.tasks)}: allowed values are {', '.join(TARGET)}")
     for flag, path in (("--runs-dir", args.runs_dir), ("--docs-dir", args.docs_dir)):  # before an hour of runs
         checks.writable_dir(flag, path)
     if args.memory:
@@ -477,6 +554,21 @@ if __name__ == "__main__":
         with open(os.path.join(args.docs_dir, "memory.md"), "w") as f:
             f.write(f"`python benchmark.py --memory` (peak resident memory, CPU, each pass in a fresh process)\n\n{table}\n")
         print(table)
+        raise SystemExit(0)
+    if args.tools:
+        results = run_tools(args)
+        os.makedirs(os.path.join(args.docs_dir, "tools"), exist_ok=True)
+        seeds = f"mean of {len(args.seeds)} seeds, band: min to max" if len(args.seeds) > 1 else "one seed"
+        title = f"multiplication: held-out accuracy\n(greedy conversations, on the held-out problems; {seeds})"
+        plot(
+            results, "eval/accuracy", title, "greedy accuracy", os.path.join(args.docs_dir, "tools", "accuracy.png"), window=1
+        )
+        with open(os.path.join(args.docs_dir, "tools", "results.md"), "w") as f:
+            f.write(
+                f"`python benchmark.py --tools`: task multiplication; seeds {args.seeds}; mean ± population std "
+                f"(min-max) over seeds.\n\n{tools_summary(results)}\n"
+            )
+        print(tools_summary(results))
         raise SystemExit(0)
     if args.rlhf:
         rm_rows, runs = run_rlhf(args)

@@ -55,8 +55,8 @@ class Args:
     cache_dir: str = ""
     """where the built-in model is cached (default: $TINY_RLHF_CACHE or ~/.cache/tiny-rlhf)"""
     task: str = "multiplication"
-    """TOOLS: 'multiplication' (offline, for the built-in model), 'products' (offline, for a chat model), or any task of
-    grpo.py"""
+    """TOOLS: 'multiplication' (offline, for the built-in model), 'products' (offline, for a chat model), or with a chat
+    model any task of grpo.py"""
     dataset: str = ""
     """your own prompts instead of the task's: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a hub id with
     prompt and answer columns, scored by --task's verifier"""
@@ -67,7 +67,8 @@ class Args:
     system message); none: plain prompts; on: like auto, but a template is required"""
     instruction: str = ""
     """the system message a chat model gets with each prompt: the answer format (default: the task's own, e.g. for
-    --dataset prompts scored like gsm8k, "Solve the problem step by step. End your reply with ... a plain number.")"""
+    --dataset prompts scored like gsm8k, "Solve the problem step by step. End your reply with ... a plain number."),
+    then (TOOLS) the calculator's description, tools.ChatFormat.INSTRUCTION"""
     output_dir: str = ""
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
@@ -142,6 +143,8 @@ def check_args(args: Args) -> None:
     checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     checks.flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     checks.flag(args, "max_turns", "must be at least 1", lambda v: v >= 1)  # TOOLS
+    if args.model_name_or_path == "builtin" and not args.dataset:  # TOOLS: the calls are in that task's vocabulary only
+        checks.flag(args, "task", "the built-in model calls tools on multiplication only", lambda v: v == "multiplication")
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
         raise SystemExit(
             f"--num-prompts x --group-size ({args.batch_size}) must split into --num-minibatches ({args.num_minibatches}) "
@@ -246,8 +249,10 @@ def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, tempe
         contexts = [torch.tensor([p + w]) for p, w in zip(prompts, written)]
         context_ids = common.cat_padded(contexts, tokenizer.pad_token_id, left=True).to(prompt_ids.device)
         context_mask = common.cat_padded([torch.ones_like(c) for c in contexts], 0, left=True).to(prompt_ids.device)
+        left = max([args.max_new_tokens - len(w) for w, f in zip(written, finished) if not f], default=0)
+        left = int(dist.all_reduce(torch.tensor(left), "max"))  # the same on every rank: they generate in step
         ids, mask, _ = common.generate(
-            policy, tokenizer, context_ids, context_mask, args.max_new_tokens, temperature, tool_format.stop_ids, finished
+            policy, tokenizer, context_ids, context_mask, left, temperature, tool_format.stop_ids, finished
         )  # (B, t) this turn's ids, through each row's first EOS or call close
         for i in torch.nonzero(~finished).flatten().tolist():
             sampled = ids[i][mask[i]].tolist()[: args.max_new_tokens - len(written[i])]  # within the whole budget
@@ -260,7 +265,7 @@ def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, tempe
                 finished[i], truncated[i] = True, True
             elif call is None:  # the model answered
                 finished[i] = True
-            elif turn == args.max_turns - 1:  # a call, but no turn left to read its answer
+            elif turn == args.max_turns - 1 or len(written[i]) == args.max_new_tokens:  # no turn or no room for an answer
                 finished[i], truncated[i] = True, True
             else:  # run the tool (never raises: failures come back as text) and append its answer's ids
                 result, failed = tools.run_tool(tools.TOOLS, *call)
@@ -333,7 +338,8 @@ if __name__ == "__main__":
     policy, tokenizer = models.load_model_and_tokenizer(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
-    instruction = args.instruction or f"{tasks.INSTRUCTIONS.get(args.task, '')} {tools.ChatFormat.INSTRUCTION}".strip()
+    instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
+    instruction = f"{instruction} {tools.ChatFormat.INSTRUCTION}".strip()
     task = tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction)  # TOOLS: the calculator described
     # TOOLS: a chat model calls in its turns and hears back in tool messages; a model without a template writes <...>
     eos_ids = common.eos_token_ids(policy, tokenizer)
@@ -374,6 +380,7 @@ if __name__ == "__main__":
         mask = conversations.by_model  # (B, T)  # TOOLS: the loss mask: only the ids the model sampled
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, conversations.valid.long()], dim=1)  # TOOLS: the context: every id
+        by_environment = conversations.valid & ~conversations.by_model  # (B, T)  # TOOLS: the tools' answers
         T = completion_ids.shape[1]
         # with one optimizer step per rollout the policy is still pi_old when the loss is computed: the old log-probs
         # are then the current ones detached, and a separate forward pass would be wasted work
@@ -420,6 +427,8 @@ if __name__ == "__main__":
                     common.check_finite(loss, "loss", step)
                     loss.backward()
                     metrics["train/entropy"] = entropy[mask[idx]]
+                    # TOOLS: how likely the model finds the tools' answers, as if it wrote them (a probe, not trained)
+                    metrics["train/environment_logprob"] = logprobs.detach()[by_environment[idx]]
                     train_metrics.append(metrics)
                 dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)

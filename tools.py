@@ -4,10 +4,12 @@ A tool is a plain Python function with a name, a docstring and typed arguments; 
 one shipped here. What a model writes is untrusted input, like anything a user types into a web form: a model that
 is rewarded for right answers will write whatever gets them, and a sampled model also writes garbage. So the
 calculator never hands model text to `eval` (which would run any Python, `__import__('os').system(...)` included): it
-parses arithmetic itself, and it bounds the length of the expression, its nesting, the size of every number and the
-time it takes, so that `9**9**9` is refused at once instead of filling the memory. Every failure, of the calculator or
-of any tool (an unknown tool, a tool that raises), goes back to the model as the tool's answer, "error: ...", and is
-counted; none stops the run.
+parses arithmetic itself, and it bounds the length of the expression, its nesting and the size of every number
+(a power's size is bounded before it is computed), so that `9**9**9` is refused at once instead of filling the memory,
+and the time of a call is bounded by construction: at most 200 tokens, each read once, each operation on numbers of at
+most a few hundred bits (a wall-clock limit would make the answers depend on the machine's load). Every failure, of
+the calculator or of any tool (an unknown tool, a tool that raises), goes back to the model as the tool's answer,
+"error: ...", and is counted; none stops the run.
 
 The two call formats (one rollout loop, see grpo_tools.py):
 - CompactFormat, for the built-in model and its character vocabulary: the model writes <347*86>, which ends its turn
@@ -19,9 +21,7 @@ The two call formats (one rollout loop, see grpo_tools.py):
 """
 
 import json
-import math
 import re
-import time
 from fractions import Fraction
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -30,8 +30,8 @@ from fractions import Fraction
 
 MAX_CHARS = 200  # longest expression read
 MAX_DEPTH = 30  # deepest nesting of parentheses and signs
-MAX_DIGITS = 100  # the largest magnitude of a number, a result or anything in between: 10^100
-MAX_SECONDS = 0.05  # wall-clock time of one evaluation
+MAX_DIGITS = 100  # numerators and denominators of every number, result or anything in between stay below 10^100
+MAX_BITS = 333  # 10^100 < 2^333: a power surely larger is refused before it is computed
 
 
 class ToolError(Exception):
@@ -49,13 +49,14 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_CHARS:
         raise ToolError(f"expression longer than {MAX_CHARS} characters")
     tokens = re.findall(r"\d+(?:\.\d+)?|\*\*|\S", expression.replace("×", "*").replace("÷", "/"))
-    parser = _Parser(tokens, deadline=time.monotonic() + MAX_SECONDS)
+    parser = _Parser(tokens)
     value = parser.sum(depth=0)
     if parser.pos != len(tokens):
-        raise ToolError(f"syntax: unexpected {tokens[parser.pos]}")
+        raise ToolError(f"syntax: unexpected {tokens[parser.pos][:20]}")
     if value.denominator == 1:
         return str(value.numerator)
-    return f"{value.numerator / value.denominator:.6f}".rstrip("0")  # a fraction: six decimals
+    text = f"{float(value):.6f}".rstrip("0").rstrip(".")  # a fraction: rounded to six decimals
+    return "0" if text == "-0" else text
 
 
 def _bounded(value: Fraction) -> Fraction:
@@ -69,8 +70,8 @@ class _Parser:
     sum := product (("+" | "-") product)*    product := signed (("*" | "/") signed)*
     signed := ("+" | "-") signed | power      power := atom ("**" signed)?      atom := number | "(" sum ")" """
 
-    def __init__(self, tokens: list[str], deadline: float):
-        self.tokens, self.pos, self.deadline = tokens, 0, deadline
+    def __init__(self, tokens: list[str]):
+        self.tokens, self.pos = tokens, 0
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -85,8 +86,6 @@ class _Parser:
     def check(self, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise ToolError(f"nested deeper than {MAX_DEPTH}")
-        if time.monotonic() > self.deadline:
-            raise ToolError("took too long")
 
     def sum(self, depth: int) -> Fraction:
         value = self.product(depth)
@@ -123,9 +122,8 @@ class _Parser:
             return Fraction(int(exponent == 0))
         if abs(base) == 1:  # 1 or -1 to any power, however large
             return Fraction(1 if base == 1 or exponent.numerator % 2 == 0 else -1)
-        # the size of the result before computing it: |base|^e has e * log10|base| digits, above or below the point
-        digits = abs(exponent) * abs(math.log10(abs(base.numerator)) - math.log10(base.denominator))
-        if digits > MAX_DIGITS:
+        # the size of the result before computing it: n >= 2^(bits of n - 1), so n^e has more than e (bits - 1) bits
+        if abs(exponent.numerator) * (max(abs(base.numerator).bit_length(), base.denominator.bit_length()) - 1) > MAX_BITS:
             raise ToolError("number too large")
         return _bounded(base**exponent.numerator)
 
@@ -151,13 +149,13 @@ def run_tool(tools: dict, name: str | None, arguments: dict) -> tuple[str, bool]
     """Call the tool `name` with `arguments`: (its answer, whether it failed). Nothing a tool does can stop the run: an
     unknown tool, wrong arguments or any exception come back as the answer "error: ...", to be shown to the model."""
     if name not in tools:
-        return f"error: unknown tool {str(name)[:40]}", True
+        return f"error: unknown tool {re.sub(r'[^A-Za-z0-9_]', '', str(name))[:40]}", True
     try:
         return str(tools[name](**arguments)), False
     except ToolError as e:
         return f"error: {e}", True
     except Exception as e:  # a tool's own bug, or arguments it does not take: contained, told to the model
-        return f"error: {name} raised {type(e).__name__}: {str(e)[:100]}", True
+        return f"error: {name} raised {type(e).__name__}", True
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -172,6 +170,12 @@ class CompactFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.stop_ids = tokenizer(">", add_special_tokens=False).input_ids  # a turn also ends where a call closes
+        marks = [tokenizer(c, add_special_tokens=False).input_ids for c in "<>[]"]
+        if any(len(ids) != 1 or ids[0] == tokenizer.unk_token_id for ids in marks):
+            raise SystemExit(
+                "the compact tool-call format needs <, >, [ and ] as tokens of the model's vocabulary: use the built-in "
+                "model on --task multiplication, or a chat model (its template carries the calls)"
+            )
 
     def find_call(self, turn: str) -> tuple[str, dict] | None:
         """The call that ends this turn of the model, as (tool name, arguments), or None: the model answered."""
@@ -200,12 +204,18 @@ class ChatFormat:
         marker_a, marker_t = "\x00ASSISTANT\x00", "\x00TOOL\x00"
         conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker_a}]
         conversation.append({"role": "tool", "content": marker_t})
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # e.g. a template that allows only user and assistant turns
+            raise SystemExit(f"the model's chat template cannot render a tool message ({type(e).__name__}: {e})") from None
         after_turn = text[text.index(marker_a) + len(marker_a) :]  # the model's end-of-turn token, then the template's
         eos = [e for e in (tokenizer.decode([i]) for i in eos_ids) if after_turn.startswith(e)]
-        if not eos:
-            raise SystemExit("the chat template does not end an assistant turn with the model's end-of-turn token")
+        if not eos or after_turn.count(marker_t) != 1:
+            raise SystemExit(
+                "the model's chat template does not end a turn with its end-of-turn token and then show a tool message"
+            )
         self.before, self.after = after_turn[len(eos[0]) :].split(marker_t)  # around the tool's answer
+        self.special = [t for t in tokenizer.added_tokens_decoder.values() if t.special]  # never inside a tool's answer
 
     def find_call(self, turn: str) -> tuple[str, dict] | None:
         match = self.CALL.search(turn)
@@ -216,8 +226,10 @@ class ChatFormat:
         try:  # a template that knows tools: {"name": ..., "arguments": {...}}
             call = json.loads(match.group(2))
             return str(call["name"]), dict(call.get("arguments") or {})
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except Exception:  # not JSON, too deeply nested, not a name and arguments
             return None, {}  # run_tool answers: error, unknown tool
 
     def result_ids(self, result: str) -> list[int]:
+        for token in self.special:  # a tool's answer cannot close the message or open a turn, whatever it echoes
+            result = result.replace(token.content, "")
         return self.tokenizer(self.before + result + self.after, add_special_tokens=False).input_ids

