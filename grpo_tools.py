@@ -272,7 +272,7 @@ def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, tempe
                 calls[i], errors[i] = calls[i] + 1, errors[i] + failed
                 answer = tool_format.result_ids(result)[: args.max_new_tokens - len(written[i])]
                 written[i], by_model[i] = written[i] + answer, by_model[i] + [False] * len(answer)
-                transcripts[i].append({"environment": tokenizer.decode(answer)})
+                transcripts[i].append({"tool": tokenizer.decode(answer)})
                 finished[i] = truncated[i] = len(written[i]) >= args.max_new_tokens
     as_tensor = lambda rows, pad: common.cat_padded([torch.tensor([r]) for r in rows], pad).to(prompt_ids.device)  # (B, T)
     return Conversations(

@@ -174,7 +174,7 @@ def test_the_rollout_appends_each_answer_and_masks_only_the_environments_ids(con
     assert out.final_turns == ["36", "41", "0.5", "<7*7>"]
     assert out.tool_calls.tolist() == [1, 0, 2, 2] and out.tool_errors.tolist() == [0, 0, 1, 0]
     assert out.turns.tolist() == [2, 1, 3, 3] and out.truncated.tolist() == [False, False, False, True]
-    assert out.transcripts[0] == [{"model": "<12*3>"}, {"environment": "[36]"}, {"model": "36<eos>"}]
+    assert out.transcripts[0] == [{"model": "<12*3>"}, {"tool": "[36]"}, {"model": "36<eos>"}]
 
 
 def test_the_ids_already_sampled_never_change_between_turns(conversations):
