@@ -43,3 +43,22 @@ def tool_model_dir(tmp_path_factory):
         )
     )
     return path
+
+
+@pytest.fixture(scope="session")
+def tool_data(tmp_path_factory):
+    """16 multiplication problems as a --dataset file (--task multiplication reads them), so that a test's evaluation
+    runs on a few held-out conversations instead of the task's 500."""
+    import json
+
+    path = tmp_path_factory.mktemp("tool_data") / "products.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"prompt": f"{a}*{a % 90 + 10}=", "answer": a * (a % 90 + 10)}) for a in range(101, 117))
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tool_run_flags(tool_model_dir, tool_data):
+    """grpo_tools.py's flags for a test run: the multiplication model on the 16 problems of tool_data, 4 held out."""
+    return ["--model-name-or-path", tool_model_dir, "--task", "multiplication", "--dataset", tool_data, "--num-eval", "4"]

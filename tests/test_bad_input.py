@@ -311,7 +311,9 @@ def test_sft_refuses_a_batch_larger_than_its_training_part(tmp_path):
 @pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo], ids=lambda m: m.__name__)
 def test_the_built_in_model_is_refused_on_a_task_it_was_not_warmed_up_on(module):
     refused(
-        module, "--task gsm8k: the built-in model knows only addition, scratchpad; pass --model-name-or-path", task="gsm8k"
+        module,
+        "--task gsm8k: the built-in model knows only addition, scratchpad, multiplication; pass --model-name-or-path",
+        task="gsm8k",
     )
 
 

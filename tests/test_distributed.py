@@ -29,11 +29,11 @@ def script_and_name(command: str) -> tuple[str, list[str], str]:
     return script, more, script[:-3] + ("_lora" if more else "")
 
 
-def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "", tool_model: str = "") -> list[str]:
+def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "", tool: tuple = ()) -> list[str]:
     """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes.
     grpo_tools.py runs on the multiplication task's model, with room for a call, its answer and a last turn."""
-    if script == "grpo_tools.py":
-        model_dir, more = tool_model, ["--task", "multiplication", "--max-new-tokens", "24"]
+    if script == "grpo_tools.py":  # tool: conftest's tool_run_flags, which name the model
+        model_dir, more = tool[1], [*tool[2:], "--max-new-tokens", "24"]
     shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", str(steps), "--save-every", "1"]
     shared += ["--eval-every", "2"] + (more if script == "grpo_tools.py" else ["--max-new-tokens", "4"])
     if script == "dpo.py":
@@ -49,7 +49,7 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str 
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir, teacher_dir, tool_model_dir, tmp_path_factory):
+def runs(model_dir, teacher_dir, tool_run_flags, tmp_path_factory):
     """Every script for 2 steps under `torchrun --nproc-per-node 2` (DDP), grpo.py and ppo.py again with --fsdp on the
     same rollouts, and sft.py: all in one torchrun. Returns the folder with ddp/, fsdp/, rollouts/ and sft/."""
     root = tmp_path_factory.mktemp("distributed")
@@ -58,7 +58,7 @@ def runs(model_dir, teacher_dir, tool_model_dir, tmp_path_factory):
     jobs = []
     for command in [*SCRIPTS, LORA]:
         script, more, name = script_and_name(command)
-        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir, tool_model=tool_model_dir) + more
+        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir, tool=tool_run_flags) + more
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
         jobs[-1]["rollouts"] = "" if script in ("dpo.py", "reward_model.py") else str(root / "rollouts" / name)
         if command in SHARDED:
@@ -100,7 +100,7 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("command", [*SCRIPTS, LORA])
 def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
-    runs, model_dir, teacher_dir, tool_model_dir, monkeypatch, command
+    runs, model_dir, teacher_dir, tool_run_flags, monkeypatch, command
 ):
     """The weights after the first optimizer step (and the second) of 2 ranks equal, to 1e-5, those of one process that
     replays the union of the 2 ranks' rollouts (DPO: of their pairs) with the same flags. Global reductions enter here:
@@ -114,7 +114,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
     if script not in ("dpo.py", "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
-    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir, tool_model=tool_model_dir) + more
+    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir, tool=tool_run_flags) + more
     run_here(monkeypatch, script, *argv, "--output-dir", str(one))
     for step in (1, 2):
         ranks, single = trained(runs / "ddp" / name / f"checkpoint.pt.{step}"), trained(one / f"checkpoint.pt.{step}")

@@ -34,7 +34,7 @@ def interrupt_after(step):
 @pytest.mark.parametrize(
     "command", ["grpo.py", "dapo.py", "ppo.py --lora-rank 4", "dpo.py", "reward_model.py", "opd.py", "grpo_tools.py"]
 )
-def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tool_model_dir, tmp_path, monkeypatch, command):
+def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tool_run_flags, tmp_path, monkeypatch, command):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
     have come) and --resume: every logged metric but time/*, the samples and the final weights agree. grpo.py stands for
     its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too (here with --lora-rank:
@@ -45,7 +45,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     monkeypatch.setattr(tasks.Task, "reward", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4", *lora_flags]
     if script == "grpo_tools.py":
-        flags = ["--model-name-or-path", tool_model_dir, "--save-every", "5", "--task", "multiplication"]
+        flags = [*tool_run_flags, "--save-every", "5"]
     if script in ("dpo.py", "reward_model.py"):
         pairs = tmp_path / "pairs.jsonl"
         pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(6)))

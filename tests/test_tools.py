@@ -245,7 +245,7 @@ def test_the_environments_tokens_change_nothing_in_the_loss():
 # --- end to end -------------------------------------------------------------------------------------------------------
 
 
-def test_grpo_tools_end_to_end(tool_model_dir, tmp_path, monkeypatch):
+def test_grpo_tools_end_to_end(tool_run_flags, tmp_path, monkeypatch):
     """Two steps through the command line. Every id the model sampled is scored in the update in exactly the context it
     was sampled in: each sampled turn (its context, the tool's answers included, then its new ids) starts a row of ids
     that the training pass attends to; with the loss mask as the attention mask instead, the tool's answers would be
@@ -269,7 +269,7 @@ def test_grpo_tools_end_to_end(tool_model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "generate", recording_generate)
     monkeypatch.setattr(common, "completion_logprobs", recording_logprobs)
-    flags = ["--model-name-or-path", tool_model_dir, "--total-steps", "2", "--num-prompts", "4", "--group-size", "4"]
+    flags = [*tool_run_flags, "--total-steps", "2", "--num-prompts", "4", "--group-size", "4"]
     flags += ["--eval-every", "1", "--device", "cpu", "--output-dir", str(tmp_path)]
     run_here(monkeypatch, "grpo_tools.py", *flags)
 
