@@ -121,9 +121,12 @@ class Args:
     """sampling temperature; log-probs are computed from logits / temperature to match"""
     max_new_tokens: int = 0
     """TOOLS: the budget of a whole conversation after the prompt, the model's tokens and the tools' answers (0: the
-    task's own, 32 for multiplication and 96 for products)"""
+    task's own, 32 for multiplication and 64 for products)"""
     max_turns: int = 3
     """TOOLS: the model's turns per conversation at most (a call in the last one goes unanswered)"""
+    tool_format: str = "auto"
+    """TOOLS: how the model calls the calculator (tools.py): compact (<347*86>), chat (<calc>347 * 86</calc>, answered in
+    a tool message), inline ("347 * 86 =" completed in the reply), or auto (chat with a chat template, else compact)"""
     clip_eps: float = 0.2
     """PPO clip range epsilon"""
     beta: float = 0.04
@@ -143,6 +146,8 @@ def check_args(args: Args) -> None:
     checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     checks.flag(args, "clip_eps", "must be in (0, 1): the ratio is clipped to [1 - eps, 1 + eps]", lambda v: 0 < v < 1)
     checks.flag(args, "max_turns", "must be at least 1", lambda v: v >= 1)  # TOOLS
+    formats = ("auto", "compact", "chat", "inline")
+    checks.flag(args, "tool_format", f"allowed values are {', '.join(formats)}", lambda v: v in formats)
     if args.model_name_or_path == "builtin" and not args.dataset:  # TOOLS: the calls are in that task's vocabulary only
         checks.flag(args, "task", "the built-in model calls tools on multiplication only", lambda v: v == "multiplication")
     if args.batch_size % args.num_minibatches or args.minibatch_size % args.micro_batch_size:
@@ -224,7 +229,7 @@ class Conversations:
     by_model: torch.Tensor
     valid: torch.Tensor
     truncated: torch.Tensor  # (B,) out of --max-new-tokens, or a call in the last of --max-turns: no final answer
-    final_turns: list[str]  # the text of the model's last turn in each conversation: what the verifier reads
+    final_turns: list[str]  # what the verifier reads: the model's last turn (inline format: the whole reply)
     tool_calls: torch.Tensor  # (B,) calls made
     tool_errors: torch.Tensor  # (B,) calls whose answer was an error
     turns: torch.Tensor  # (B,) the model's turns
@@ -258,13 +263,14 @@ def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, tempe
             sampled = ids[i][mask[i]].tolist()[: args.max_new_tokens - len(written[i])]  # within the whole budget
             written[i], by_model[i], turns[i] = written[i] + sampled, by_model[i] + [True] * len(sampled), turns[i] + 1
             ended_by_eos = sampled[-1] in eos_ids
-            final_turns[i] = tokenizer.decode(sampled[:-1] if ended_by_eos else sampled)  # without its EOS
+            text = tokenizer.decode(sampled[:-1] if ended_by_eos else sampled)  # this turn, without its EOS
+            final_turns[i] = final_turns[i] + text if tool_format.inline else text
             transcripts[i].append({"model": tokenizer.decode(sampled)})
-            call = tool_format.find_call(final_turns[i])
+            call = tool_format.find_call(text)
             if not ended_by_eos and sampled[-1] not in tool_format.stop_ids:  # cut by the budget
                 finished[i], truncated[i] = True, True
-            elif call is None:  # the model answered
-                finished[i] = True
+            elif call is None:  # the model answered (or, at a stop without a call, goes on in the next turn)
+                finished[i] = ended_by_eos
             elif turn == args.max_turns - 1 or len(written[i]) == args.max_new_tokens:  # no turn or no room for an answer
                 finished[i], truncated[i] = True, True
             else:  # run the tool (never raises: failures come back as text) and append its answer's ids
@@ -273,6 +279,7 @@ def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, tempe
                 answer = tool_format.result_ids(result)[: args.max_new_tokens - len(written[i])]
                 written[i], by_model[i] = written[i] + answer, by_model[i] + [False] * len(answer)
                 transcripts[i].append({"tool": tokenizer.decode(answer)})
+                final_turns[i] += tokenizer.decode(answer) if tool_format.inline else ""
                 finished[i] = truncated[i] = len(written[i]) >= args.max_new_tokens
     as_tensor = lambda rows, pad: common.cat_padded([torch.tensor([r]) for r in rows], pad).to(prompt_ids.device)  # (B, T)
     return Conversations(
@@ -338,12 +345,14 @@ if __name__ == "__main__":
     policy, tokenizer = models.load_model_and_tokenizer(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
+    # TOOLS: a chat model calls in its turns and hears back in tool messages (or inline); the built-in model writes <...>
+    chat = args.chat_template != "none" and bool(tokenizer.chat_template)
+    args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)
+    tool_format = {"compact": tools.CompactFormat, "inline": tools.InlineFormat}.get(args.tool_format, tools.ChatFormat)
+    tool_format = tool_format(tokenizer, common.eos_token_ids(policy, tokenizer))
     instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
-    instruction = f"{instruction} {tools.ChatFormat.INSTRUCTION}".strip()
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction)  # TOOLS: the calculator described
-    # TOOLS: a chat model calls in its turns and hears back in tool messages; a model without a template writes <...>
-    eos_ids = common.eos_token_ids(policy, tokenizer)
-    tool_format = tools.ChatFormat(tokenizer, eos_ids) if task.chat else tools.CompactFormat(tokenizer)
+    instruction = f"{instruction} {getattr(tool_format, 'INSTRUCTION', '')}".strip()  # the calculator described
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction)
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight

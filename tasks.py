@@ -146,10 +146,11 @@ def make_multiplication_task(num_eval: int = 500, tool_share: float = 0.25, num_
     return Task("multiplication", train, held_out, multiplication_answer, max_new_tokens=32)
 
 
-def make_products_task(num_eval: int = 200) -> Task:
+def make_products_task(num_eval: int = 100) -> Task:
     """The tool task for a chat model: "What is 347 * 86?", a three-digit times a two-digit number, rewarded when the
-    last number of the model's final turn is the product (the gsm8k verifier), with 96 tokens for the whole
-    conversation after the prompt (the model's turns and the tool's answers)."""
+    last number of what the verifier reads (the model's final turn, or with grpo_tools.py's inline format its whole
+    reply) is the product (the gsm8k verifier), with 64 tokens for the whole conversation after the prompt (the model's
+    turns and the tool's answers); 100 problems held out (a chat model's evaluation is slow on a CPU)."""
     import datasets
 
     rng = random.Random(1357)
@@ -158,7 +159,7 @@ def make_products_task(num_eval: int = 200) -> Task:
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
     operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))  # noqa: E731
     train, held_out = split_by_key(dataset, num_eval, operands, seed=1234)
-    return Task("products", train, held_out, gsm8k_answer, max_new_tokens=96)
+    return Task("products", train, held_out, gsm8k_answer, max_new_tokens=64)
 
 
 def gsm8k_answer(completion: str) -> str | None:

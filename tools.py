@@ -11,13 +11,16 @@ most a few hundred bits (a wall-clock limit would make the answers depend on the
 the calculator or of any tool (an unknown tool, a tool that raises), goes back to the model as the tool's answer,
 "error: ...", and is counted; none stops the run.
 
-The two call formats (one rollout loop, see grpo_tools.py):
+The three call formats (one rollout loop, see grpo_tools.py):
 - CompactFormat, for the built-in model and its character vocabulary: the model writes <347*86>, which ends its turn
   (the ">" is a stop token), and the environment appends the answer in brackets, [29842].
 - ChatFormat, for a chat model: the model ends its turn as usual (end-of-turn token) with a call in it, <calc>347 *
   86</calc> (or a <tool_call>{"name": ..., "arguments": ...}</tool_call> of a template that knows tools); the
   environment appends the answer as a `tool` message rendered by the model's own chat template, followed by the opening
   of the next assistant turn. Only that suffix is tokenized: the ids already in the context never change.
+- InlineFormat, for a chat model that writes arithmetic but no call format (SmolLM2-135M-Instruct, see docs/tools.md):
+  in the spirit of Toolformer (Schick et al. 2023), the model writes "347 * 86 =" in its reply, the turn stops at the
+  "=", and the calculator writes " 29842" into the reply; the model goes on from there.
 """
 
 import json
@@ -167,7 +170,9 @@ class CompactFormat:
     """For a model without a chat template (the built-in model): "<EXPRESSION>" calls the calculator and ends the turn;
     the environment appends "[RESULT]". "347*86=" -> model "<347*86>" -> environment "[29842]" -> model "29842"."""
 
-    def __init__(self, tokenizer):
+    inline = False  # the verifier reads the model's last turn
+
+    def __init__(self, tokenizer, eos_ids=()):
         self.tokenizer = tokenizer
         self.stop_ids = tokenizer(">", add_special_tokens=False).input_ids  # a turn also ends where a call closes
         marks = [tokenizer(c, add_special_tokens=False).input_ids for c in "<>[]"]
@@ -194,6 +199,7 @@ class ChatFormat:
     the opening of the next assistant turn."""
 
     CALL = re.compile(r"<calc>(.*?)</calc>|<tool_call>(.*?)</tool_call>", re.DOTALL)
+    inline = False  # the verifier reads the model's last turn
     INSTRUCTION = (
         "You have a calculator. To use it, write <calc>EXPRESSION</calc>, for example <calc>12 * 34</calc>, and end your "
         "reply; its result comes back in the next message, and you continue from there."
@@ -233,3 +239,26 @@ class ChatFormat:
         for token in self.special:  # a tool's answer cannot close the message or open a turn, whatever it echoes
             result = result.replace(token.content, "")
         return self.tokenizer(self.before + result + self.after, add_special_tokens=False).input_ids
+
+
+class InlineFormat:
+    """A call is arithmetic followed by "=" in the model's reply; the answer is written right after it, in the same
+    reply: "347 * 86 =" (the model) " 29842" (the calculator) ". So the answer is 29842." (the model). A turn stops at
+    every token that ends with "="; when no arithmetic stands before it ("so x ="), the model simply goes on. The
+    verifier reads the whole reply, the calculator's results included, as Toolformer's calls become part of the text."""
+
+    INSTRUCTION = "Write each calculation as its numbers followed by =, like 12 * 34 =, and a calculator writes the result."
+    CALL = re.compile(r"(\(*\d[\d.]*(?:\s*(?:\*\*|[-+*/×÷x])\s*\(*\d[\d.]*\)*)+)\s*=$")
+    inline = True  # the calculator's results are part of the reply the verifier reads
+
+    def __init__(self, tokenizer, eos_ids=()):
+        self.tokenizer = tokenizer
+        special = set(tokenizer.all_special_ids)
+        self.stop_ids = [i for i in range(len(tokenizer)) if i not in special and tokenizer.decode([i]).endswith("=")]
+
+    def find_call(self, turn: str) -> tuple[str, dict] | None:
+        match = self.CALL.search(turn)
+        return None if match is None else ("calculator", {"expression": match.group(1).replace("x", "*")})
+
+    def result_ids(self, result: str) -> list[int]:
+        return self.tokenizer(" " + result, add_special_tokens=False).input_ids
