@@ -294,7 +294,7 @@ MASKED_LINE = "        mask = conversations.by_model  # (B, T)  # TOOLS: the los
 TRAINED_LINE = "        mask = conversations.valid  # (B, T)  # EXPERIMENT: the environment's ids are trained on too\n"
 TOOL_RUNS = {  # name in the table: (script, flags)
     "grpo_tools": ("grpo_tools", []),
-    "grpo.py (no tools, its 200 steps)": ("grpo", ["--task", "multiplication"]),
+    "grpo.py (no tools)": ("grpo", ["--task", "multiplication", "--total-steps", "40"]),  # grpo_tools.py's steps
     "grpo_tools, environment's ids trained on": ("grpo_tools_environment_trained", []),
 }
 

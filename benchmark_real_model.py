@@ -2,6 +2,7 @@
 
     pip install matplotlib                   # the chart
     python benchmark_real_model.py           # about four hours on a 2-core CPU, alone
+    python benchmark_real_model.py --tools   # only grpo_tools.py learning to call the calculator: about a quarter hour
 
 Seven measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
 learning curves (docs/real-model/accuracy.png):
@@ -68,6 +69,15 @@ class Args:
     """where the chart and the tables go"""
     fresh: bool = False
     """rerun even when a complete run exists"""
+    tools: bool = False
+    """only grpo_tools.py on the products task with TOOLS_LEARN, into DOCS_DIR/tools.md: the held-out accuracy at every
+    evaluation, the tool metrics, and whole conversations before and after"""
+
+
+# grpo_tools.py on the products task ("What is 347 * 86?"), the calculator called inline ("347 * 86 =" completed in the
+# reply): SmolLM2-135M-Instruct never writes a <calc> tag (docs/tools.md), but it writes arithmetic followed by "="
+TOOLS_LEARN = ["--task", "products", "--tool-format", "inline", "--num-prompts", "4", "--group-size", "8", "--beta", "0"]
+TOOLS_LEARN += ["--learning-rate", "1e-4", "--max-turns", "4", "--total-steps", "4", "--eval-every", "2"]
 
 
 def run_measured(script: str, flags: list[str], out: str, fresh: bool, env: dict | None = None) -> dict:
@@ -183,6 +193,83 @@ def additions_learning(args: Args) -> list[str]:
         curve = " -> ".join(f"{accuracy:.1%}" for _, _, accuracy in evaluations(run["rows"]))
         shown = " ".join(flags).replace(f"{args.runs_dir}/", "")
         lines.append(f"| `{script}.py` | `{shown}` | {curve} | {run['seconds'] / 60:.1f} | {gib(run['peak_bytes'])} |")
+    return lines
+
+
+def call_format_probe(model_dir: str, num: int = 64, max_new_tokens: int = 48) -> list[str]:
+    """What the untrained model writes for `num` products questions at temperature 1 under each system message: how
+    often a <calc> tag (the chat format's call), how often "a * b =" with the question's numbers (the inline format's
+    call) and how often the right product."""
+    import random
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import common
+    import tasks
+    import tools
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rng, task_format = random.Random(0), tasks.INSTRUCTIONS["products"]
+    problems = [(rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(num)]
+    systems = {
+        "the task's instruction, then the chat format's (`tools.ChatFormat.INSTRUCTION`)": tools.ChatFormat.INSTRUCTION,
+        "the task's instruction, then the inline format's (`tools.InlineFormat.INSTRUCTION`)": tools.InlineFormat.INSTRUCTION,
+        "none (the template's default)": None,
+    }
+    lines = [
+        '| system message | wrote a `<calc>` tag | wrote "a * b =" with the question\'s numbers | stated the product |',
+        "| --- | --- | --- | --- |",
+    ]
+    torch.manual_seed(0)
+    for name, call_format in systems.items():
+        system = [{"role": "system", "content": f"{task_format} {call_format}"}] if call_format else []
+        questions = [system + [{"role": "user", "content": f"What is {a} * {b}?"}] for a, b in problems]
+        prompts = [tokenizer.apply_chat_template(q, tokenize=False, add_generation_prompt=True) for q in questions]
+        ids, mask = common.tokenize_prompts(tokenizer, prompts, torch.device("cpu"))
+        texts = common.decode(tokenizer, *common.generate(model, tokenizer, ids, mask, max_new_tokens, 1.0))
+        tags = sum("<calc>" in t for t in texts)
+        inline = sum(bool(re.search(rf"{a}\s*[*x×]\s*{b}\s*=", t)) for t, (a, b) in zip(texts, problems))
+        right = sum(str(a * b) in t for t, (a, b) in zip(texts, problems))
+        lines.append(f"| {name} | {tags} / {num} | {inline} / {num} | {right} / {num} |")
+    return lines
+
+
+def tools_learning(args: Args) -> list[str]:
+    """grpo_tools.py with TOOLS_LEARN: the whole command's minutes and peak memory, every evaluation with its tool
+    metrics, and the first held-out conversations before and after, every turn with its writer."""
+    run = run_measured(
+        "grpo_tools.py", ["--model-name-or-path", args.model_dir, *TOOLS_LEARN], f"{args.runs_dir}/tools", args.fresh
+    )
+    with open(f"{args.runs_dir}/tools/samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    lines = [
+        f"`python grpo_tools.py --model-name-or-path MODEL_DIR {' '.join(TOOLS_LEARN)}`: {run['seconds'] / 60:.1f} minutes "
+        f"for the whole command, peak resident memory {gib(run['peak_bytes'])} GiB, {step_seconds(run['rows'])} s per "
+        f"step (rollout {step_seconds(run['rows'], 'time/rollout')} s) on average.",
+        "",
+        "| step | minutes | held-out accuracy | called the calculator | accuracy with a call / without | tokens by model |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in run["rows"]:
+        if "eval/accuracy" in r:
+            split = " / ".join(
+                f"{r[k]:.1%}" if k in r else "-" for k in ("eval/accuracy_with_call", "eval/accuracy_without_call")
+            )
+            lines.append(
+                f"| {r['step']} | {r['time/elapsed'] / 60:.1f} | {r['eval/accuracy']:.1%} | {r['eval/called_tool_frac']:.1%} "
+                f"| {split} | {r['eval/tokens_by_model']:.1f} |"
+            )
+    first, last = samples[0]["step"], samples[-1]["step"]
+    lines += ["", "The first held-out conversations, greedy (`model:` sampled, `tool:` written by the calculator):", ""]
+    lines += ["| question | answer | at the start | at the end |", "| --- | --- | --- | --- |"]
+    show = lambda s: " ".join(f"{who}: `{text}`" for turn in s["turns"] for who, text in turn.items()).replace("\n", " ")  # noqa: E731
+    for b, a in zip([s for s in samples if s["step"] == first], [s for s in samples if s["step"] == last]):
+        question = b["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+        before, after = (show(s).replace("|", "\\|") for s in (b, a))  # a table cell: | escaped
+        lines.append(f"| {question} | {b['answer']} | {before} | {after} |")
     return lines
 
 
@@ -431,6 +518,19 @@ if __name__ == "__main__":
     os.makedirs(args.docs_dir, exist_ok=True)
     os.makedirs(args.runs_dir, exist_ok=True)
     when = time.strftime("%Y-%m-%d")
+    if args.tools:
+        lines = [
+            "`python benchmark_real_model.py --tools`: SmolLM2-135M-Instruct, CPU, alone.",
+            "",
+            "## Calls before training",
+            "",
+        ]
+        lines += ["Sampled at temperature 1, 64 questions, 48 new tokens, seed 0:", "", *call_format_probe(args.model_dir), ""]
+        lines += ["## Learning to call the calculator inline", "", *tools_learning(args)]
+        with open(os.path.join(args.docs_dir, "tools.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        raise SystemExit(0)
     sections = [
         f"`python benchmark_real_model.py` on {when}: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
         "",

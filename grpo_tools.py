@@ -350,9 +350,11 @@ if __name__ == "__main__":
     args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)
     tool_format = {"compact": tools.CompactFormat, "inline": tools.InlineFormat}.get(args.tool_format, tools.ChatFormat)
     tool_format = tool_format(tokenizer, common.eos_token_ids(policy, tokenizer))
+    # a template that knows tools describes the calculator itself (from its docstring); otherwise the system message does
+    template_tools = [tools.calculator] if args.tool_format == "chat" and "tools" in str(tokenizer.chat_template) else None
     instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
-    instruction = f"{instruction} {getattr(tool_format, 'INSTRUCTION', '')}".strip()  # the calculator described
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction)
+    instruction = instruction if template_tools else f"{instruction} {getattr(tool_format, 'INSTRUCTION', '')}".strip()
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction, template_tools)
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight

@@ -300,13 +300,14 @@ def has_chat_template(path: str) -> bool | None:
         return False
 
 
-def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "") -> Task:
+def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "", tools: list | None = None) -> Task:
     """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
     conversation, the answer format as the system message (`instruction`: --instruction, else the task's own, else
     INSTRUCTIONS), the prompt as the user turn, then the generation prompt; with 'none' (or 'auto' and no template, as
     for base models) the prompts stay plain text, behind the tokenizer's BOS if its own encoding starts with one (the
     model was trained so; prompts are tokenized without special tokens, since a chat template writes them itself). A
-    template that refuses a system role gets the instruction at the head of the user turn instead."""
+    template that refuses a system role gets the instruction at the head of the user turn instead. `tools` (Python
+    functions, grpo_tools.py) are passed on to a template that describes tools to the model itself."""
     if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
         bos = tokenizer.bos_token if tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id] else None
         if bos is None:  # (the built-in tokenizer has no BOS)
@@ -323,10 +324,10 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "")
         turns = [{"role": "system", "content": instruction}] if instruction else []
         turns.append({"role": "user", "content": prompt})
         try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
         except TemplateError:  # e.g. no system role: the instruction opens the user turn
             turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}".strip()}]
-            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
 
     rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})  # noqa: E731
     return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True)

@@ -201,6 +201,22 @@ def test_a_conversation_stops_at_its_token_budget(monkeypatch):
     assert out.valid.sum().item() == 10 and out.by_model.sum().item() == 7 and out.truncated.tolist() == [True]
 
 
+def test_the_inline_format_completes_arithmetic_in_the_reply(monkeypatch):
+    """Toolformer-style: the turn stops at "=", the calculator's result is written into the reply, the model goes on,
+    and the verifier reads the whole reply; an "=" after no arithmetic is not a call, and the model goes on as well."""
+    tokenizer = sft.build_tokenizer(sft.TOOL_CHARS)
+    inline = tools.InlineFormat(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(inline.stop_ids) == ["="]
+    turns = {0: ["so 12*3=", " it is$"], 1: ["so 7=", "7$"]}
+    monkeypatch.setattr(common, "generate", scripted_generate(turns, []))
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["12*3=", "7+0="], torch.device("cpu"))
+    out = grpo_tools.rollout(None, tokenizer, inline, prompt_ids, prompt_mask, Args, 1.0)
+    assert out.final_turns == ["so 12*3= 36 it is", "so 7=7"]
+    assert out.tool_calls.tolist() == [1, 0] and out.turns.tolist() == [2, 2]
+    assert out.by_model.sum(dim=1).tolist() == [len("so 12*3= it is$"), len("so 7=7$")]
+    assert (out.valid & ~out.by_model).sum(dim=1).tolist() == [len(" 36"), 0]
+
+
 # --- the loss is blind to the environment's tokens --------------------------------------------------------------------
 
 
@@ -305,5 +321,34 @@ def test_the_multiplication_task_needs_the_tool():
 def test_bad_flags_are_refused_in_one_line():
     with pytest.raises(SystemExit, match="--max-turns 0: must be at least 1"):
         grpo_tools.check_args(grpo_tools.Args(max_turns=0))
+    with pytest.raises(SystemExit, match="--tool-format json: allowed values are auto, compact, chat, inline"):
+        grpo_tools.check_args(grpo_tools.Args(tool_format="json"))
+    with pytest.raises(SystemExit, match="--task addition: the built-in model calls tools on multiplication only"):
+        grpo_tools.check_args(grpo_tools.Args(task="addition"))
     with pytest.raises(SystemExit, match="--group-size 1: needs at least 2"):
         grpo_tools.check_args(grpo_tools.Args(group_size=1))
+
+
+def test_a_template_that_knows_tools_describes_the_calculator_from_its_docstring():
+    """With a chat template that renders `tools`, the prompt carries the calculator's JSON schema (name, description and
+    typed arguments, read by transformers from the function itself), and a <tool_call> of that template is run."""
+    import datasets
+
+    tokenizer = sft.build_tokenizer()
+    tokenizer.chat_template = (  # ChatML-like, its turns ended by the built-in tokenizer's EOS
+        "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<eos>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    rows = datasets.Dataset.from_dict({"prompt": ["What is 2 * 3?"], "answer": ["6"]})
+    prompt = tasks.apply_chat_template(tasks.Task("t", rows, rows, str), tokenizer, "on", "Answer.", [tools.calculator])
+    text = prompt.train[0]["prompt"]
+    assert '"name": "calculator"' in text and '"expression"' in text and "Evaluate an arithmetic expression" in text
+    chat = tools.ChatFormat(tokenizer, [tokenizer.eos_token_id])
+    call = chat.find_call('<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>')
+    assert call == ("calculator", {"expression": "2*3"}) and tools.run_tool(tools.TOOLS, *call) == ("6", False)
+    assert tools.run_tool(tools.TOOLS, *chat.find_call("<tool_call>{not json</tool_call>")) == (
+        "error: unknown tool None",
+        True,
+    )
+    assert chat.before + "6" + chat.after == "\n<|im_start|>tool\n6<eos>\n<|im_start|>assistant\n"
