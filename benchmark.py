@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import tyro
 
 import common
+import tasks
 from plumbing import checks
 
 ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo", "cispo", "reinforce_pp", "sapo", "opd"]
@@ -112,8 +113,8 @@ def run_once(script: str, flags: list[str], out: str, fresh: bool, label: str) -
     if fresh or not complete(path):
         print(f"{label} ...", flush=True)
         start = time.time()
-        path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))  # a copy elsewhere imports ours
-        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": path}
+        python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))  # a copy elsewhere too
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": python_path}
         cmd = [sys.executable, f"{script}.py", *flags, "--output-dir", out]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -354,6 +355,28 @@ def tools_summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+def without_the_tool(results_dir: str) -> list[str]:
+    """Each run's final model (seed 1) on the held-out problems with nobody to answer its calls: how often it writes a
+    call (one greedy turn, as grpo.py samples), and after the call "a*b" of each problem, the probability it gives "[",
+    the first id of the tool's answer, which only the environment ever writes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = list(tasks.make_task("multiplication").eval["prompt"])
+    lines = ['| run (seed 1) | writes a call | probability of "[" after its call (mean) |', "| --- | --- | --- |"]
+    for name, (script, _) in TOOL_RUNS.items():
+        path = os.path.join(results_dir, f"{script}__1", "model")
+        tokenizer, model = AutoTokenizer.from_pretrained(path, padding_side="left"), AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            ids, mask = common.tokenize_prompts(tokenizer, prompts, torch.device("cpu"))
+            texts = common.decode(tokenizer, *common.generate(model.eval(), tokenizer, ids, mask, 32, 0.0))
+            ids, mask = common.tokenize_prompts(tokenizer, [f"{p}<{p[:-1]}>" for p in prompts], torch.device("cpu"))
+            logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0)).logits[:, -1]
+        bracket = torch.softmax(logits.float(), dim=-1)[:, tokenizer.convert_tokens_to_ids("[")].mean().item()
+        lines.append(f"| {name} | {sum(t.startswith('<') for t in texts) / len(texts):.1%} | {bracket:.3f} |")
+    return lines
+
+
 def mean_of(rows: list[dict], key: str):
     """The mean of `key` over the rows that logged it (None if none did)."""
     values = [r[key] for r in rows if key in r]
@@ -563,12 +586,14 @@ if __name__ == "__main__":
         plot(
             results, "eval/accuracy", title, "greedy accuracy", os.path.join(args.docs_dir, "tools", "accuracy.png"), window=1
         )
+        probe = "\n".join(without_the_tool(os.path.join(args.runs_dir, "tools")))
         with open(os.path.join(args.docs_dir, "tools", "results.md"), "w") as f:
             f.write(
                 f"`python benchmark.py --tools`: task multiplication; seeds {args.seeds}; mean ± population std "
-                f"(min-max) over seeds.\n\n{tools_summary(results)}\n"
+                f"(min-max) over seeds.\n\n{tools_summary(results)}\n\nWithout the tool (greedy, one turn, the 500 "
+                f"held-out problems):\n\n{probe}\n"
             )
-        print(tools_summary(results))
+        print(tools_summary(results), probe, sep="\n\n")
         raise SystemExit(0)
     if args.rlhf:
         rm_rows, runs = run_rlhf(args)
