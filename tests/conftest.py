@@ -36,12 +36,9 @@ def tool_model_dir(tmp_path_factory):
     """A tiny model after a short warm-up on the multiplication task (grpo_tools.py's): it has the tool task's vocabulary
     and has begun to write calls."""
     path = str(tmp_path_factory.mktemp("warm_tools") / "model")
-    steps = 60
-    sft.warm_up(
-        sft.Args(
-            task="multiplication", output_dir=path, max_steps=steps, check_every=steps, target_accuracy=2.0, num_check=100
-        )
-    )
+    steps = 60  # of 32 problems: sampled at temperature 1, it then calls the tool about once in ten conversations
+    args = dict(max_steps=steps, check_every=steps, target_accuracy=2.0, num_check=100, batch_size=32)
+    sft.warm_up(sft.Args(task="multiplication", output_dir=path, **args))
     return path
 
 
