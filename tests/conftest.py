@@ -37,7 +37,8 @@ def tool_model_dir(tmp_path_factory):
     and has begun to write calls."""
     path = str(tmp_path_factory.mktemp("warm_tools") / "model")
     steps = 60  # of 32 problems: sampled at temperature 1, it then calls the tool about once in ten conversations
-    args = dict(max_steps=steps, check_every=steps, target_accuracy=2.0, num_check=100, batch_size=32)
+    # (max_new_tokens=1: the warm-up's closing evaluation, which nothing here reads, costs one token per problem)
+    args = dict(max_steps=steps, check_every=steps, target_accuracy=2.0, num_check=100, batch_size=32, max_new_tokens=1)
     sft.warm_up(sft.Args(task="multiplication", output_dir=path, **args))
     return path
 
