@@ -348,8 +348,8 @@ if __name__ == "__main__":
     # TOOLS: a chat model calls in its turns and hears back in tool messages (or inline); the built-in model writes <...>
     chat = args.chat_template != "none" and bool(tokenizer.chat_template)
     args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)
-    tool_format = {"compact": tools.CompactFormat, "inline": tools.InlineFormat}.get(args.tool_format, tools.ChatFormat)
-    tool_format = tool_format(tokenizer, common.eos_token_ids(policy, tokenizer))
+    call_format = {"compact": tools.CompactFormat, "inline": tools.InlineFormat}.get(args.tool_format, tools.ChatFormat)
+    tool_format = call_format(tokenizer, common.eos_token_ids(policy, tokenizer))  # where turns stop, calls, answers
     # a template that knows tools describes the calculator itself (from its docstring); otherwise the system message does
     template_tools = [tools.calculator] if args.tool_format == "chat" and "tools" in str(tokenizer.chat_template) else None
     instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
