@@ -286,7 +286,7 @@ def test_grpo_tools_end_to_end(tool_run_flags, tmp_path, monkeypatch):
     monkeypatch.setattr(common, "generate", recording_generate)
     monkeypatch.setattr(common, "completion_logprobs", recording_logprobs)
     flags = [*tool_run_flags, "--total-steps", "2", "--num-prompts", "4", "--group-size", "4"]
-    flags += ["--eval-every", "1", "--device", "cpu", "--output-dir", str(tmp_path)]
+    flags += ["--eval-every", "2", "--device", "cpu", "--output-dir", str(tmp_path)]
     run_here(monkeypatch, "grpo_tools.py", *flags)
 
     assert len(sampled) > 2 * 16  # more turns than conversations: some called the tool
@@ -307,7 +307,7 @@ def test_grpo_tools_end_to_end(tool_run_flags, tmp_path, monkeypatch):
 
 
 def test_the_multiplication_task_needs_the_tool():
-    task = tasks.make_task("multiplication")
+    task = tasks.make_multiplication_task(num_eval=100, num_problems=4000)  # the default's recipe on fewer problems
     row = task.train[0]
     a, b = (int(n) for n in row["prompt"].rstrip("=").split("*"))
     assert row["answer"] == str(a * b) and 100 <= a < 1000 and 10 <= b < 100
