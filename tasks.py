@@ -218,7 +218,7 @@ BUILTIN_TASKS = ("addition", "scratchpad", "multiplication")  # the tasks the bu
 # Each task's verifier and generation budget, for a user's data scored like the task (--dataset), and the system
 # message a chat model gets: the answer format, which is all the verifier reads.
 VERIFIERS = {"addition": (addition_answer, 8), "scratchpad": (scratchpad_answer, 64), "gsm8k": (gsm8k_answer, 256)}
-VERIFIERS["multiplication"] = (multiplication_answer, 32)
+VERIFIERS |= {"multiplication": (multiplication_answer, 32)}  # (its prompts are the built-in model's)
 INSTRUCTIONS = {
     "addition": "Add the two numbers. Reply with the digits of the sum in reverse order, ones digit first, and nothing else.",
     "scratchpad": "Add the two numbers column by column from the ones digit, like 2+6=8 8+9=17 4+3+1=8, then = and the sum.",
