@@ -111,19 +111,26 @@ def trainable_parameter_count(model) -> tuple[int, int]:
 
 
 def save_merged(model, tokenizer, path: str) -> None:
-    """Write the adapter to PATH/adapter (peft's format: PeftModel.from_pretrained(base, PATH/adapter) loads it), then
-    merge it into the weights, W <- W + (alpha / r) B A, and save the model with save_pretrained in PATH. The merge is
-    done in place, in the base's dtype: call this once, at the end of the run."""
+    """Write the adapter to PATH/adapter (peft's format: PeftModel.from_pretrained(base, PATH/adapter) loads it, with
+    any module trained whole, e.g. the reward model's score head, as one of its modules_to_save), then merge it into the
+    weights, W <- W + (alpha / r) B A, and save the model with save_pretrained in PATH. The merge is done on the CPU in
+    float32 and the merged model saved in float32, whatever the base's dtype: a bf16 weight keeps 8 significant bits, so
+    adding an update smaller than 2^-9 of the weight and rounding to bf16 would give the weight back unchanged. The
+    model is moved and merged in place: call this once, at the end of the run."""
     from peft import get_peft_model_state_dict
     from peft.tuners.tuners_utils import BaseTunerLayer
     from safetensors.torch import save_file
 
     config = model.peft_config["default"]
     adapter = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    whole = {name: p for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name}
+    adapter.update({f"base_model.model.{name}": p.detach().float().cpu().contiguous() for name, p in whole.items()})
+    config.modules_to_save = sorted({name.rpartition(".")[0] for name in whole}) or None
     os.makedirs(os.path.join(path, "adapter"), exist_ok=True)
     config.base_model_name_or_path = getattr(model.config, "_name_or_path", None)
     config.save_pretrained(os.path.join(path, "adapter"))
     save_file(adapter, os.path.join(path, "adapter", "adapter_model.safetensors"))
+    model.to(device="cpu", dtype=torch.float32)
     with torch.no_grad():
         for name, module in list(model.named_modules()):
             if isinstance(module, BaseTunerLayer):

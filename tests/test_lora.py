@@ -88,6 +88,28 @@ def test_the_frozen_weights_may_be_bf16_under_an_fp32_adapter(model_dir):
     assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.requires_grad)
 
 
+def test_an_adapter_over_bf16_weights_is_merged_in_float32(model_dir, tmp_path):
+    """A small update to bf16 weights survives the merge: the saved model holds W + (alpha / r) B A in float32, not the
+    bf16 rounding of it, which gives most weights back unchanged when the update is below 2^-9 of them."""
+    policy, tokenizer = models.load_model_and_tokenizer(model_dir, "", CPU, dtype=torch.bfloat16)
+    policy = lora.add_adapter(policy, lora_args(lora_base_dtype="bfloat16"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_" in name:  # B A of size about 1e-4 * 1e-1 * 4 terms: far below 2^-9 of a weight of size 1e-2
+                p.copy_((1e-2 if "lora_B" in name else 1e-1) * torch.randn(p.shape, generator=generator))
+    layer = policy.model.layers[0].self_attn.q_proj
+    expected = layer.get_base_layer().weight.float() + layer.scaling["default"] * layer.lora_B["default"].weight @ (
+        layer.lora_A["default"].weight
+    )
+    lora.save_merged(policy, tokenizer, str(tmp_path))
+    saved = load_file(tmp_path / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert saved.dtype == torch.float32
+    # float32: W (bf16, exact in float32) plus a sum of 4 products of size 1e-3, rounded once: within 1e-6 of expected
+    assert torch.allclose(saved, expected, rtol=0, atol=1e-6)
+    assert not torch.equal(saved, expected.bfloat16().float())  # the bf16 rounding lost part of the update
+
+
 def test_a_lora_run_loads_one_model_trains_the_adapter_and_saves_both_forms(model_dir, tmp_path, monkeypatch):
     """grpo.py --lora-rank 4 with its KL penalty: the model is loaded once (the reference is the policy without its
     adapter), the checkpoint holds the adapter's weights only, and the saved folder loads with from_pretrained (the
@@ -188,3 +210,10 @@ def test_dpo_and_the_reward_model_train_an_adapter_and_save_a_model_that_loads(m
     saved = auto_class.from_pretrained(out / "model")
     if script == "reward_model.py":
         assert torch.equal(saved.score.weight, heads[0])  # the head the run trained, not a new one
+        # the adapter folder alone, on the base model, also carries the trained head (peft's modules_to_save)
+        base = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+        adapted = peft.PeftModel.from_pretrained(base, out / "model" / "adapter")
+        assert torch.equal(adapted.base_model.model.score.modules_to_save["default"].weight, heads[0])
+        ids = torch.tensor([[3, 4, 5, 6]])
+        # the same float32 arithmetic but for W x + B A x against (W + B A) x: sums of 64-128 terms of size < 10
+        assert torch.allclose(adapted(input_ids=ids).logits, saved(input_ids=ids).logits, atol=1e-4)
