@@ -133,6 +133,7 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
     checks.flag(args, "teacher", "is required: a model folder or hub id, e.g. runs/grpo__1/model", lambda v: v != "")  # OPD
+    models.check_model_path(args.teacher, "--teacher")  # OPD: before any model loads
     checks.flag(args, "reward_model", "is not used by opd.py, which learns from --teacher", lambda v: v == "")
     checks.rl_flags(args)
     checks.flag(args, "group_size", "must be at least 1", lambda v: v >= 1)  # OPD: a per-token signal needs no group
@@ -225,7 +226,9 @@ if __name__ == "__main__":
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    teacher, teacher_tokenizer = models.load_model_and_tokenizer(args.teacher, args.cache_dir, device, args.task)  # OPD
+    teacher, teacher_tokenizer = models.load_model_and_tokenizer(  # OPD
+        args.teacher, args.cache_dir, device, args.task, flag="--teacher"
+    )
     teacher.requires_grad_(False)
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():  # OPD: log-probs are compared token by token
         raise SystemExit(f"--teacher {args.teacher}: its tokenizer differs from the student's; both must share one")

@@ -266,6 +266,7 @@ def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):
         raise SystemExit(
             f"{flag} {path!r}: cannot read {extension or 'this'} files; give .json, .jsonl, .csv, .parquet or a folder"
         )
+    empty = f"{flag} {path!r}: has no rows; it needs rows with {', '.join(columns)}"
     try:
         if os.path.isdir(path):
             ds = datasets.load_from_disk(path)
@@ -275,10 +276,16 @@ def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):
         else:
             with offline_unless_hub_reachable():
                 ds = datasets.load_dataset(path, split="train")
+    except StopIteration:  # the json reader on an empty file
+        raise SystemExit(empty) from None
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # unreadable, or a hub id out of reach
+        if "corresponds to no data" in str(e):  # datasets on a file of blank lines, or a header alone
+            raise SystemExit(empty) from None
         raise SystemExit(f"{flag} {path!r}: cannot be loaded ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(ds, datasets.Dataset):
         raise SystemExit(f"{flag} {path!r}: holds several splits and none is called train")
+    if len(ds) == 0:
+        raise SystemExit(empty)
     missing = set(columns) - set(ds.column_names)
     if missing:
         raise SystemExit(

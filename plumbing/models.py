@@ -44,15 +44,15 @@ def looks_like_hub_id(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None and ".." not in name
 
 
-def check_model_path(name: str) -> None:
-    """Fail fast on a model path that cannot exist, before any expensive work."""
+def check_model_path(name: str, flag: str = "--model-name-or-path") -> None:
+    """Fail fast on a model path that cannot exist, before any expensive work; the error names `flag`."""
     if name != "builtin" and not os.path.isdir(name) and (not looks_like_hub_id(name) or os.path.exists(name)):
-        raise SystemExit(f"--model-name-or-path {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
+        raise SystemExit(f"{flag} {name!r}: no such directory, and not a hub id like 'Qwen/Qwen2.5-0.5B'")
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise SystemExit(f"--model-name-or-path {name!r}: no config.json in this folder (save a model with save_pretrained)")
+        raise SystemExit(f"{flag} {name!r}: no config.json in this folder (save a model with save_pretrained)")
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
-        raise SystemExit(f"--model-name-or-path {name!r}: no tokenizer in this folder (save it too, with save_pretrained)")
+        raise SystemExit(f"{flag} {name!r}: no tokenizer in this folder (save it too, with save_pretrained)")
 
 
 def move_into_place(partial: str, path: str) -> None:
@@ -88,12 +88,19 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
 
 
 def load_model_and_tokenizer(
-    name: str, cache_dir: str, device: torch.device, task: str = "addition", dtype=torch.float32, auto_class=None, **kw
+    name: str,
+    cache_dir: str,
+    device: torch.device,
+    task: str = "addition",
+    dtype=torch.float32,
+    auto_class=None,
+    flag: str = "--model-name-or-path",
+    **kw,
 ):
     """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model
     (warmed up on `task`) and for a hub model alike, its weights in `dtype` (float32 unless they stay frozen, see
     lora.base_dtype). `auto_class` loads another head on the same body, e.g. AutoModelForSequenceClassification with
-    num_labels=1 (passed on in `kw`) for a reward model."""
+    num_labels=1 (passed on in `kw`) for a reward model. A load error names `flag`, the option that gave `name`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name, cache_dir, task)
@@ -105,7 +112,7 @@ def load_model_and_tokenizer(
     try:
         tokenizer, model = load_local_first(load, path)
     except LOAD_ERRORS as e:
-        raise SystemExit(load_error_message(name, path, e)) from None
+        raise SystemExit(load_error_message(name, path, e, flag)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
     model = model.to(device)
@@ -133,7 +140,7 @@ def check_output_layer(model) -> None:
         model.logits_transformed = True
 
 
-def load_error_message(name: str, path: str, error: Exception) -> str:
+def load_error_message(name: str, path: str, error: Exception, flag: str = "--model-name-or-path") -> str:
     """One line that names the flag (or the cache folder) and the likely fix."""
     if name == "builtin":
         return (
@@ -141,9 +148,9 @@ def load_error_message(name: str, path: str, error: Exception) -> str:
             "to rebuild it"
         )
     if os.path.isdir(path):
-        return f"--model-name-or-path {name!r}: cannot load a model and its tokenizer from this folder ({first_line(error)})"
+        return f"{flag} {name!r}: cannot load a model and its tokenizer from this folder ({first_line(error)})"
     return (
-        f"--model-name-or-path {name!r}: not in the local Hugging Face cache, and downloading it failed "
+        f"{flag} {name!r}: not in the local Hugging Face cache, and downloading it failed "
         f"({first_line(error)}). Without internet, pass a local folder saved with save_pretrained"
     )
 

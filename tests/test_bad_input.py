@@ -217,6 +217,39 @@ def test_an_unreadable_preference_file_names_the_flag(tmp_path, monkeypatch, mod
     assert str(exit_info.value.code).startswith(f"--dataset {str(bad)!r}: cannot be loaded")
 
 
+def no_model_may_load(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(models, "load_model_and_tokenizer", load)
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("header.csv", "prompt,answer\n")])
+@pytest.mark.parametrize("script", ["grpo.py", "dpo.py"])
+def test_a_data_file_without_rows_is_one_line_naming_the_flag(tmp_path, monkeypatch, model_dir, script, name, content):
+    data = tmp_path / name
+    data.write_text(content)
+    no_model_may_load(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(monkeypatch, script, "--model-name-or-path", model_dir, "--dataset", str(data), "--output-dir", str(tmp_path))
+    columns = "prompt, chosen, rejected" if script == "dpo.py" else "prompt, answer"
+    assert str(exit_info.value.code) == f"--dataset {str(data)!r}: has no rows; it needs rows with {columns}"
+
+
+@pytest.mark.parametrize("teacher", ["missing", "empty"])
+def test_opd_checks_its_teacher_before_any_model_loads(tmp_path, monkeypatch, model_dir, teacher):
+    path = tmp_path / teacher
+    if teacher == "empty":
+        path.mkdir()
+    no_model_may_load(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(
+            monkeypatch, "opd.py", "--model-name-or-path", model_dir, "--teacher", str(path), "--output-dir", str(tmp_path)
+        )
+    line = str(exit_info.value.code)
+    assert line.startswith(f"--teacher {str(path)!r}: ") and "\n" not in line, line
+
+
 def closed_port_url() -> str:
     """An endpoint on this machine that refuses connections, like a hub that cannot be reached (no network involved)."""
     with socket.socket() as probe:
