@@ -106,6 +106,10 @@ def build_tiny_model(tokenizer, max_positions: int = 64):
     return LlamaForCausalLM(config)
 
 
+# The version of the warm-up recipe, part of the cached model's folder name (see models.builtin_model_dir) with the
+# settings of warm_up_args: bump it when a change to this file, to a built-in task's data (tasks.py) or to the sampling
+# and evaluation it uses (common.py) changes the model a warm-up trains, so that every cache trains a new one.
+WARM_UP_VERSION = 1
 MULTIPLICATION_STEPS = 600  # the multiplication warm-up's steps: enough to learn the call format and to copy an answer
 
 

@@ -21,22 +21,15 @@ def cache_root(cache_dir: str = "") -> str:
     return cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
 
 
-@functools.cache  # once per process, so that editing the sources during a run cannot change the answer
+@functools.cache  # once per process
 def builtin_model_dir(cache_dir: str, task: str = "addition") -> str:
-    """Where the built-in model warmed up on `task` is cached. The folder name carries a hash of the warm-up recipe
-    (sft.py, its settings for the task, and the code that builds the task, tokenizer and model), so that changing it
-    trains a new model instead of silently reusing a stale one."""
-    import inspect
-
-    import common
+    """Where the built-in model warmed up on `task` is cached. The folder name carries a hash of what determines the
+    warm-up: its settings for the task (sft.warm_up_args) and sft.WARM_UP_VERSION, which a change to the code of the
+    warm-up, the task's data, the tokenizer or the model bumps. Editing anything else (a comment, a script) reuses the
+    cached model; a changed recipe trains a new one instead of silently reusing a stale one."""
     import sft
-    import tasks
 
-    recipe_parts = [sft.Args, sft.encode, sft.greedy_accuracy, sft.warm_up, sft.build_tokenizer, sft.build_tiny_model]
-    recipe_parts += [tasks.TASKS[task], tasks.split_by_key, tasks.addition_operands]
-    recipe_parts += [common.tokenize_prompts, common.generate, common.evaluate]
-    recipe_parts += [tasks.scratchpad_solution] if task == "scratchpad" else []
-    recipe = json.dumps(vars(sft.warm_up_args(task)), sort_keys=True) + "".join(inspect.getsource(f) for f in recipe_parts)
+    recipe = json.dumps({"version": sft.WARM_UP_VERSION, "settings": vars(sft.warm_up_args(task))}, sort_keys=True)
     return os.path.join(cache_root(cache_dir), f"builtin-{task}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
 
 
