@@ -272,7 +272,7 @@ def plot_task(results: dict, task: str, d: str) -> None:
     accuracy = ("eval/accuracy", f"{task}: held-out accuracy{evals}", "greedy accuracy (fraction correct)")
     plot(results, *accuracy, f"{d}/accuracy_vs_responses.png", "train/responses", window=1)
     plot(results, *accuracy, f"{d}/accuracy_vs_steps.png", "step", window=1)
-    kl = lambda algorithm: f"{algorithm} ({KL_ESTIMATOR.get(algorithm, 'k3')})"  # noqa: E731
+    kl = lambda algorithm: f"{algorithm} ({KL_ESTIMATOR.get(algorithm, 'k3')})"
     kl_title, kl_unit = f"{task}: KL to the reference{smoothed}", "nats per token (estimator in the legend)"
     plot(results, "kl/ref", kl_title, kl_unit, f"{d}/kl_ref.png", label=kl)
     for key, what, unit, name in (
@@ -469,7 +469,7 @@ def ppo_summary(beta: float, ppo_rows: list[dict]) -> str:
     best = max(evals, key=lambda r: r["eval/accuracy"])
     steps = [r for r in ppo_rows if "rollout/reward_mean" in r]
     first, last = steps[:10], steps[-10:]
-    mean = lambda rows, key: statistics.mean(r[key] for r in rows)  # noqa: E731
+    mean = lambda rows, key: statistics.mean(r[key] for r in rows)
     return "\n".join(
         [
             f"- ppo.py --reward-model --beta {beta}: gold held-out accuracy {evals[0]['eval/accuracy']:.3f} at the start, "
@@ -518,8 +518,8 @@ def memory_probe(whole: bool, grad: bool, vocab: int = 151_936, batch: int = 8, 
         model.zero_grad(set_to_none=False)  # gradient buffers stay allocated: counted before the pass
 
     one_pass(1, 4)  # libraries loaded and gradient buffers allocated before the measurement
-    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # noqa: E731
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731  (kilobytes on Linux)
+    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     before, high_before = rss(), peak()
     one_pass(batch, completion)
     return {
@@ -541,7 +541,7 @@ def memory_table() -> str:
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             m = json.loads(done.stdout.strip().splitlines()[-1])
             assert m["extra_peak"] > m["blind_below"], m  # else the high-water mark predates this pass: no measurement
-            gib = lambda b: b / 2**30  # noqa: E731
+            gib = lambda b: b / 2**30
             cells = [f"{label}, {'with gradient (forward + backward)' if grad else 'no gradient'}"]
             cells += [f"{gib(m['extra_peak']):.2f}", f"{gib(m['logits']):.2f}", f"{m['extra_peak'] / m['logits']:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")

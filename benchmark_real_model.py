@@ -137,7 +137,7 @@ def learning(args: Args) -> list[str]:
     after = [s for s in samples if s["step"] == last]
     for b, a in zip(before, after):
         question = b["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
-        cell = lambda s: s["completion"].replace("\n", " ").replace("|", "\\|")  # noqa: E731
+        cell = lambda s: s["completion"].replace("\n", " ").replace("|", "\\|")
         lines.append(f"| {question} | {b['answer']} | {cell(b)} | {cell(a)} |")
     return lines
 
@@ -146,7 +146,7 @@ def lora_learning(args: Args) -> list[str]:
     """The learning command with --lora-rank 16 at three rates beside the full run: accuracy, time, memory, trained
     parameters."""
     full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
-    out = lambda rate: f"{args.runs_dir}/learn-lora-{rate}"  # noqa: E731
+    out = lambda rate: f"{args.runs_dir}/learn-lora-{rate}"
     sweep = {
         rate: run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *flags], out(rate), args.fresh)
         for rate, flags in LORA_RATES.items()
@@ -168,7 +168,7 @@ def lora_learning(args: Args) -> list[str]:
         "| step | " + " | ".join(f"LoRA, lr {rate}" for rate in LORA_RATES) + " | every weight, lr 1e-5 |",
         "| --- " * (len(LORA_RATES) + 2) + "|",
     ]
-    by_step = lambda r: {step: accuracy for step, _, accuracy in evaluations(r["rows"])}  # noqa: E731
+    by_step = lambda r: {step: accuracy for step, _, accuracy in evaluations(r["rows"])}
     columns = [by_step(r) for r in [*sweep.values(), full]]
     for step in sorted(by_step(full)):
         lines.append(f"| {step} | " + " | ".join(f"{c[step]:.1%}" if step in c else "-" for c in columns) + " |")
@@ -265,7 +265,7 @@ def tools_learning(args: Args) -> list[str]:
     first, last = samples[0]["step"], samples[-1]["step"]
     lines += ["", "The first held-out conversations, greedy (`model:` sampled, `tool:` written by the calculator):", ""]
     lines += ["| question | answer | at the start | at the end |", "| --- | --- | --- | --- |"]
-    show = lambda s: " ".join(f"{who}: `{text}`" for turn in s["turns"] for who, text in turn.items()).replace("\n", " ")  # noqa: E731
+    show = lambda s: " ".join(f"{who}: `{text}`" for turn in s["turns"] for who, text in turn.items()).replace("\n", " ")
     for b, a in zip([s for s in samples if s["step"] == first], [s for s in samples if s["step"] == last]):
         question = b["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
         before, after = (show(s).replace("|", "\\|") for s in (b, a))  # a table cell: | escaped
@@ -446,7 +446,7 @@ def step_probe(model_dir: str) -> dict:
     import tasks
     from plumbing import models
 
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result, cpu = {"phases": []}, torch.device("cpu")
 
     def phase(name, fn):

@@ -88,8 +88,8 @@ class Args:
 
     # Algorithm specific arguments
     total_steps: int = 40
-    """optimizer steps (about one epoch over the built-in pairs: held-out accuracy peaks at 40-60 steps on both built-in
-    tasks, seeds 1-3, and falls as longer runs keep fitting the same pairs; docs/results.md)"""
+    """optimizer steps (about one epoch over the built-in pairs; longer runs keep fitting the same pairs: see
+    docs/results.md for held-out accuracy against steps)"""
     batch_size: int = 64
     """pairs per optimizer step"""
     micro_batch_size: int = 0
@@ -207,7 +207,7 @@ if __name__ == "__main__":
     if args.dataset:  # a user's pairs, read before any model is loaded; the task's data is not needed
         user_pairs, eval_pairs = preference_pairs.split_held_out(preference_pairs.load_pairs(args.dataset), args.num_eval)
         if "answer" in user_pairs.column_names:  # held-out prompts to answer, scored by the task's verifier
-            answers = lambda ds: ds.select_columns(["prompt", "answer"]).map(lambda r: {"answer": str(r["answer"]).strip()})  # noqa: E731
+            answers = lambda ds: ds.select_columns(["prompt", "answer"]).map(lambda r: {"answer": str(r["answer"]).strip()})
             task = tasks.Task(args.task, answers(user_pairs), answers(eval_pairs), *tasks.verifier(args.task))
     else:
         task = tasks.make_task(args.task)
@@ -244,7 +244,7 @@ if __name__ == "__main__":
     (policy,) = dist.prepare_models(args, policy)  # torchrun: rank 0's weights everywhere, or FSDP2 (--fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
+    checkpoint = run_state.Checkpoint(args, optimizer, generator)  # --resume: restores the run
     logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
     if args.track:  # every logged row to trackio too, with the flags as the run's config
         logger.track(vars(args))
@@ -257,8 +257,10 @@ if __name__ == "__main__":
     }
     logger.log(0, {**eval_metrics, **pairs_metrics})
     order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
+    checkpoint.get_extra = lambda: {"order": order}  # saved in each checkpoint, so that --resume goes on with them
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
+    bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
+    for step in bar:
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(pairs), generator=generator)

@@ -230,7 +230,8 @@ if __name__ == "__main__":
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
+    bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
+    for step in bar:
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: G responses per prompt from the frozen behaviour policy pi_old
         # -------------------------------------------------------------------------------------------------------------

@@ -377,7 +377,8 @@ if __name__ == "__main__":
     eval_metrics = logger.last_eval or evaluate(policy, tokenizer, tool_format, task, args)  # TOOLS
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
+    bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
+    for step in bar:
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: G conversations per prompt from the frozen behaviour policy pi_old, the tools answering its calls
         # -------------------------------------------------------------------------------------------------------------

@@ -237,7 +237,8 @@ class Critic(torch.nn.Module):
         body = models.load_body(args.model_name_or_path, args.cache_dir, args.task, dtype)  # the warm-up model's body
         self.body = lora.add_adapter(body, args) if args.lora_rank else body  # --lora-rank: an adapter of its own
         self.head = torch.nn.Linear(self.body.config.hidden_size, 1)  # trained whole, in fp32
-        torch.nn.init.zeros_(self.head.weight), torch.nn.init.zeros_(self.head.bias)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids, attention_mask, completion_len: int):
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -287,7 +288,8 @@ if __name__ == "__main__":
     eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
     logger.log(0, eval_metrics)
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
+    bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
+    for step in bar:
         # -------------------------------------------------------------------------------------------------------------
         # Rollout: responses from the frozen behaviour policy pi_old, with their old log-probs and old values
         # -------------------------------------------------------------------------------------------------------------
@@ -370,10 +372,11 @@ if __name__ == "__main__":
                 optimizer.step()
                 train_metrics.append({"train/grad_norm": grad_norm, "train/critic_grad_norm": critic_grad_norm})
                 # PPO: early stop once the minibatch's token-weighted KL to the behaviour policy (before this step) is large
-                mb_kl = common.pool_metrics(train_metrics[-1 - len(mb_idx.split(args.micro_batch_size)) : -1])["kl/old_approx"]
-                if args.target_kl and mb_kl > args.target_kl:
-                    stop = True
-                    break
+                if args.target_kl:  # (pooled over the minibatch's micro-batches and the ranks)
+                    minibatch_metrics = train_metrics[-1 - len(mb_idx.split(args.micro_batch_size)) : -1]
+                    if common.pool_metrics(minibatch_metrics)["kl/old_approx"] > args.target_kl:
+                        stop = True
+                        break
             if stop:
                 break
 

@@ -96,7 +96,7 @@ class Args:
 
     # Algorithm specific arguments
     total_steps: int = 600
-    """optimizer steps (about 13 epochs over the built-in addition pairs; held-out accuracy still rose at 300)"""
+    """optimizer steps (about 13 epochs over the built-in addition pairs)"""
     batch_size: int = 64
     """pairs per optimizer step"""
     micro_batch_size: int = 0
@@ -242,7 +242,7 @@ if __name__ == "__main__":
         pairs, skipped, pairs_time = user_pairs, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
         task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the policy reads it
-        load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)  # noqa: E731
+        load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, load_policy, device)
     # the built-in tasks' plain prompts are split by operands (a problem and its twin together), anything else by prompt
     by_operands = task is not None and args.task in tasks.BUILTIN_TASKS and not task.chat
@@ -258,7 +258,7 @@ if __name__ == "__main__":
     (model,) = dist.prepare_models(args, model)  # under torchrun: rank 0's weights (its new head) on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    checkpoint = run_state.Checkpoint(args, optimizer, generator, lambda: {"order": order})  # --resume: restores the run
+    checkpoint = run_state.Checkpoint(args, optimizer, generator)  # --resume: restores the run
     logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # time/elapsed: training, not the pairs
     if args.track:  # every logged row to trackio too, with the flags as the run's config
         logger.track(vars(args))
@@ -266,8 +266,10 @@ if __name__ == "__main__":
     data_metrics = {"data/pairs": len(train_pairs), "data/eval_pairs": len(eval_pairs), "time/pairs": pairs_time}
     logger.log(0, {**eval_metrics, **data_metrics})
     order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
+    checkpoint.get_extra = lambda: {"order": order}  # saved in each checkpoint, so that --resume goes on with them
 
-    for step in (bar := tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())):
+    bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
+    for step in bar:
         step_start = time.time()
         if len(order) < args.batch_size:  # a new epoch over the pairs, in a new order
             order = torch.randperm(len(train_pairs), generator=generator)

@@ -196,7 +196,8 @@ def warm_up(args: Args) -> dict:
     checks.flag(args, "batch_size", f"at most the {len(train_set)} training problems", lambda v: v <= len(train_set))
     start, accuracy, approaching = time.time(), 0.0, False
     closest = (float("inf"), None, 0, 0.0)  # (distance to the target, weights, step, accuracy) of the closest check
-    for step in (bar := tqdm(range(1, args.max_steps + 1), desc="sft warm-up", disable=not dist.is_main())):
+    bar = tqdm(range(1, args.max_steps + 1), desc="sft warm-up", disable=not dist.is_main())
+    for step in bar:
         batch = train_set[dist.shard(rng.sample(range(len(train_set)), args.batch_size))]  # torchrun: this rank's share
         input_ids, attention_mask, position_ids, is_answer = encode(tokenizer, batch, device)
         with common.autocast(device):

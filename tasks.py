@@ -157,7 +157,7 @@ def make_products_task(num_eval: int = 100) -> Task:
     problems = list(dict.fromkeys((rng.randrange(100, 1000), rng.randrange(10, 100)) for _ in range(20000)))
     prompts, answers = [f"What is {a} * {b}?" for a, b in problems], [str(a * b) for a, b in problems]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
-    operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))  # noqa: E731
+    operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))
     train, held_out = split_by_key(dataset, num_eval, operands, seed=1234)
     return Task("products", train, held_out, gsm8k_answer, max_new_tokens=64)
 
@@ -199,7 +199,7 @@ def make_sums_task(num_eval: int = 200) -> Task:
     problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     prompts, answers = [f"What is {a} + {b}?" for a, b in problems], [str(a + b) for a, b in problems]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
-    operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))  # noqa: E731
+    operands = lambda row: tuple(sorted(int(n) for n in re.findall(r"\d+", row["prompt"])))
     train, held_out = split_by_key(dataset, num_eval, operands, seed=1234)
     return Task("sums", train, held_out, gsm8k_answer, max_new_tokens=24)
 
@@ -319,7 +319,7 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
         bos = tokenizer.bos_token if tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id] else None
         if bos is None:  # (the built-in tokenizer has no BOS)
             return task
-        with_bos = lambda ds: ds.map(lambda row: {"prompt": bos + row["prompt"]})  # noqa: E731
+        with_bos = lambda ds: ds.map(lambda row: {"prompt": bos + row["prompt"]})
         return dataclasses.replace(task, train=with_bos(task.train), eval=with_bos(task.eval))
     if not tokenizer.chat_template:
         raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
@@ -336,5 +336,5 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
             turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}".strip()}]
             return tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})  # noqa: E731
+    rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})
     return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True)

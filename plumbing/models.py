@@ -98,7 +98,7 @@ def load_model_and_tokenizer(
 
     path = resolve_model_path(name, cache_dir, task)
     auto_class = auto_class or AutoModelForCausalLM
-    load = lambda **local: (  # noqa: E731
+    load = lambda **local: (
         AutoTokenizer.from_pretrained(path, padding_side="left", **local),
         auto_class.from_pretrained(path, dtype=dtype, **kw, **local),
     )

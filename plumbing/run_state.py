@@ -155,7 +155,7 @@ class Checkpoint:
         """Under torchrun every rank calls this (FSDP2 shards are gathered, each rank's torch RNG state is kept) and
         rank 0 writes the file."""
         optimizer = self.optimizer.state_dict()
-        cpu = lambda v: dist.full_tensor(v).cpu() if torch.is_tensor(v) else v  # noqa: E731 (FSDP2: one gathered tensor at a time)
+        cpu = lambda v: dist.full_tensor(v).cpu() if torch.is_tensor(v) else v  # (FSDP2: one gathered tensor at a time)
         optimizer["state"] = {i: {k: cpu(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         state = {
             "world_size": dist.world_size(),
@@ -212,7 +212,10 @@ class Checkpoint:
                 if torch.is_tensor(v) and v.shape == p.shape:
                     state["optimizer"]["state"][i][k] = self.shaped_like(v, p)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.rng.set_state(state["rng"]) if isinstance(self.rng, torch.Generator) else self.rng.setstate(state["rng"])
+        if isinstance(self.rng, torch.Generator):
+            self.rng.set_state(state["rng"])
+        else:
+            self.rng.setstate(state["rng"])
         torch.set_rng_state(self.this_ranks(state["torch_rng"]))
         if self.this_ranks(state["cuda_rng"]) and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(self.this_ranks(state["cuda_rng"]))

@@ -212,7 +212,8 @@ def test_logged_metrics_do_not_depend_on_the_micro_batch_size(model_dir, tmp_pat
         calls, pool_metrics = [], common.pool_metrics
         monkeypatch.setattr(common, "pool_metrics", lambda rows, **kw: calls.append(rows) or pool_metrics(rows, **kw))
         coin_flip_rewards(monkeypatch, p=0.5)
-        run_here(monkeypatch, script, *flags, "--micro-batch-size", "3", "--output-dir", str(tmp_path / "probe"))
+        probe = ["--micro-batch-size", "3", "--target-kl", "1e9", "--output-dir", str(tmp_path / "probe")]  # checked, never hit
+        run_here(monkeypatch, script, *flags, *probe)
         monkeypatch.setattr(common, "pool_metrics", pool_metrics)
         second = calls[1]  # the 4 micro-batch rows of the second minibatch (the first is on-policy: KL 0)
         whole, last = pool_metrics(second)["kl/old_approx"].item(), second[-1]["kl/old_approx"].mean().item()
