@@ -67,7 +67,7 @@ def runs(model_dir, teacher_dir, tool_run_flags, tmp_path_factory):
     # PPO under FSDP2 (sharded weights, a critic, sharded optimizer state): 2 steps, against 1 step and then --resume
     ppo = lambda steps, out, *more: (
         flags("ppo.py", model_dir, str(pairs), steps) + ["--fsdp", "--output-dir", str(root / out), *more]
-    )  # noqa: E731
+    )
     for argv in (ppo(2, "whole"), ppo(1, "parts"), ppo(2, "parts", "--resume")):
         jobs.append({"script": "ppo.py", "argv": argv, "rollouts": ""})
     sft_argv = ["--device", "cpu", "--max-steps", "2", "--num-check", "100", "--output-dir", str(root / "sft")]
@@ -176,7 +176,7 @@ def test_a_resumed_fsdp_run_ends_like_an_uninterrupted_one(runs):
     time/* and the first run's final evaluation at step 1) and the final weights are identical."""
     from safetensors.torch import load_file
 
-    untimed = lambda run: [  # noqa: E731
+    untimed = lambda run: [
         {k: v for k, v in r.items() if not k.startswith("time/") and not (k.startswith("eval/") and r["step"] == 1)}
         for r in rows(runs / run)
     ]
