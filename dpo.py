@@ -204,19 +204,21 @@ if __name__ == "__main__":
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
     common.seed_everything(args.seed + dist.rank())  # under torchrun each process draws its own numbers
     task, eval_pairs = None, None  # what the policy is evaluated on: the task's problems, or held-out pairs (--dataset)
-    if args.dataset:  # a user's pairs, read before any model is loaded; the task's data is not needed
-        user_pairs, eval_pairs = preference_pairs.split_held_out(preference_pairs.load_pairs(args.dataset), args.num_eval)
-        if "answer" in user_pairs.column_names:  # held-out prompts to answer, scored by the task's verifier
-            answers = lambda ds: ds.select_columns(["prompt", "answer"]).map(lambda r: {"answer": str(r["answer"]).strip()})
-            task = tasks.Task(args.task, answers(user_pairs), answers(eval_pairs), *tasks.verifier(args.task))
-    else:
-        task = tasks.make_task(args.task)
+    user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None  # read before any model is loaded
     args.max_new_tokens = args.max_new_tokens or tasks.verifier(args.task)[1]  # the task's budget unless --max-new-tokens
     policy, tokenizer = models.load_model_and_tokenizer(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
-    if not args.dataset:  # a user's pairs are used as given (render them with your chat template yourself)
-        task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
+    if args.dataset:  # a user's pairs, their prompts rendered as the model reads them (--chat-template), some held out
+        rendered = preference_pairs.render_prompts(user_pairs, tokenizer, args)
+        user_pairs, eval_pairs = preference_pairs.split_held_out(rendered.train, args.num_eval)
+        if "answer" in user_pairs.column_names:  # held-out prompts to answer, scored by the task's verifier
+            answers = lambda ds: ds.select_columns(["prompt", "answer"]).map(lambda r: {"answer": str(r["answer"]).strip()})
+            task = tasks.Task(
+                args.task, answers(user_pairs), answers(eval_pairs), *tasks.verifier(args.task), chat=rendered.chat
+            )
+    else:  # the task's problems, as the model reads them
+        task = tasks.apply_chat_template(tasks.make_task(args.task), tokenizer, args.chat_template, args.instruction)
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight

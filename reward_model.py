@@ -238,8 +238,8 @@ if __name__ == "__main__":
         models.enable_gradient_checkpointing(model)
     if args.lora_rank:  # train a low-rank adapter on the frozen body instead of every weight; the new head is trained whole
         model = lora.add_adapter(model, args, trained_modules=("score",))
-    if args.dataset:  # a user's pairs are used as given (render them with the policy's chat template yourself)
-        pairs, skipped, pairs_time = user_pairs, 0, 0.0
+    if args.dataset:  # a user's pairs, their prompts rendered as the policy reads them (--chat-template)
+        pairs, skipped, pairs_time = preference_pairs.render_prompts(user_pairs, tokenizer, args).train, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
         task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the policy reads it
         load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)

@@ -116,13 +116,12 @@ def test_generation_stops_at_either_eos(chat_model_dir):
 )
 def test_every_script_trains_the_chat_model_on_a_data_file(chat_model_dir, data_file, tmp_path, monkeypatch, script):
     """Two steps of each script on the chat model, loaded by path, with the user's data file (DPO and the reward model:
-    pairs of the user's prompts, rendered with the chat template as the policy reads them, offline): the prompts it was
-    fed carry the chat template."""
+    pairs of the user's plain prompts, which the script renders with the chat template as the policy reads them,
+    offline): the prompts it was fed carry the chat template."""
     flags = ["--model-name-or-path", chat_model_dir, "--output-dir", str(tmp_path), "--max-new-tokens", "6"]
-    if script in ("dpo.py", "reward_model.py"):  # pairs whose prompts the user rendered with the chat template, offline
-        _, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
-        rendered = tasks.apply_chat_template(tasks.make_task("gsm8k", data_file, num_eval=4), tokenizer, "auto").train
-        pairs = [{**row, "chosen": row["answer"], "rejected": "0"} for row in rendered.to_list()]  # with their answers
+    if script in ("dpo.py", "reward_model.py"):  # pairs of the data file's plain prompts, with their answers, offline
+        plain = tasks.make_task("gsm8k", data_file, num_eval=4).train
+        pairs = [{**row, "chosen": row["answer"], "rejected": "0"} for row in plain.to_list()]
         (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for pair in pairs))
         flags += ["--dataset", str(tmp_path / "pairs.jsonl"), "--task", "gsm8k", "--batch-size", "4"]
         flags += ["--num-eval", "4", "--total-steps", "2", "--eval-every", "2", "--device", "cpu"]
@@ -232,3 +231,39 @@ def test_the_instruction_flag_is_the_system_message(chat_model_dir, data_file):
     task = tasks.make_task("gsm8k", data_file, num_eval=4)
     rendered = tasks.apply_chat_template(task, tokenizer, "auto", "Reply with the number only.")
     assert rendered.train[0]["prompt"].startswith("<|im_start|>system\nReply with the number only.<|im_end|>\n")
+
+
+@pytest.mark.parametrize("script", ["dpo.py", "reward_model.py"])
+def test_a_users_preference_prompts_are_rendered_like_the_rl_scripts_prompts(chat_model_dir, tmp_path, monkeypatch, script):
+    """dpo.py and reward_model.py with --dataset on a chat model: the pairs' prompts are rendered with the chat template
+    as grpo.py renders a user's prompts (the --task's answer format as the system message, --chat-template none leaves
+    them as given); a prompt already rendered by its author is refused in one line instead of being rendered twice."""
+    import preference_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "\n".join(json.dumps({"prompt": f"What is {a} plus 3?", "chosen": "7", "rejected": "9"}) for a in range(8))
+    )
+    seen = []
+    tokenize = preference_pairs.tokenize_pairs
+    monkeypatch.setattr(
+        preference_pairs, "tokenize_pairs", lambda tok, p, dev: seen.extend(p["prompt"]) or tokenize(tok, p, dev)
+    )
+    flags = ["--model-name-or-path", chat_model_dir, "--dataset", str(pairs), "--task", "gsm8k", "--num-eval", "2"]
+    flags += ["--batch-size", "2", "--total-steps", "1", "--device", "cpu", "--max-new-tokens", "4"]
+    for template in ("auto", "none"):
+        seen.clear()
+        run_here(monkeypatch, script, *flags, "--chat-template", template, "--output-dir", str(tmp_path / template))
+        question = next(p for p in seen if "What is 0 plus 3?" in p)
+        system = f"<|im_start|>system\n{tasks.INSTRUCTIONS['gsm8k']}<|im_end|>\n"
+        rendered = f"{system}<|im_start|>user\nWhat is 0 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+        assert question == (rendered if template == "auto" else "What is 0 plus 3?"), template
+    pairs.write_text(
+        "\n".join(
+            json.dumps({"prompt": f"<|im_start|>user\n{a}+3<|im_end|>", "chosen": "7", "rejected": "9"}) for a in range(8)
+        )
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "twice"))
+    line = str(exit_info.value.code)
+    assert line.startswith(f"--dataset {str(pairs)!r}: a prompt already holds special tokens") and "\n" not in line
