@@ -54,9 +54,7 @@ def add_adapter(model, args, trained_modules: tuple[str, ...] = ()):
             p.data = p.data.float()  # the adapter and its optimizer state in fp32 over a bf16 base
     for name in trained_modules:
         getattr(model, name).float().requires_grad_(True)
-    from plumbing import dist  # (dist imports this module for saving)
-
-    if dist.is_main():
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # (dist imports this module: not back)
         trained, total = trainable_parameter_count(model)
         print(f"--lora-rank {args.lora_rank}: training {trained:,} of {total:,} parameters ({100 * trained / total:.2f}%)")
     return model
