@@ -9,7 +9,7 @@ learning curves (docs/real-model/accuracy.png):
 1. learning: grpo.py on the sums task with the command of docs/real-model.md: the whole command's minutes and peak
    resident memory, the held-out accuracy at every evaluation, and what the model answered before and after;
 2. the same with a LoRA adapter (--lora-rank 16) at 10, 20 and 30 times the learning rate;
-3. the 2025 additions (cispo, reinforce_pp, sapo, opd) with the learning command;
+3. cispo, reinforce_pp, sapo and opd with the learning command;
 4. every script for 2 steps with a small batch and its defaults for a pretrained model: seconds per step, peak memory;
 5. grpo.py for 2 steps with one memory or speed flag changed at a time, LoRA's among them;
 6. the memory formula of memory_plan.py against measured peaks, full and LoRA;
@@ -180,7 +180,7 @@ def lora_learning(args: Args) -> list[str]:
 
 
 def additions_learning(args: Args) -> list[str]:
-    """The 2025 additions with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's; opd with one
+    """CISPO, REINFORCE++, SAPO and OPD with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's; opd with one
     response to each of 32 prompts (its default shape: no group needed) and the learning run's GRPO model as teacher."""
     full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
     opd = with_values(LEARN, {"--num-prompts": "32", "--group-size": "1"}) + ["--teacher", f"{args.runs_dir}/learn/model"]
@@ -436,7 +436,7 @@ def formula_check(args: Args) -> list[str]:
 
 
 def step_probe(model_dir: str) -> dict:
-    """In this (fresh) process, one GRPO step of grpo.py's defaults on `model_dir` (4 prompts x 8 responses of up to 24
+    """In this (fresh) process, one GRPO step of grpo.py's update on `model_dir` (4 prompts x 8 responses of up to 24
     tokens, a reference model, two minibatches) taken apart: each phase timed, the process's peak resident memory after
     each, the sizes of the weights and the optimizer's state, and generation's self time by operator."""
     import torch
@@ -472,7 +472,7 @@ def step_probe(model_dir: str) -> dict:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
     advantages = torch.randn(len(input_ids))
 
-    def update():  # two minibatches of 16, one optimizer step each, like grpo.py's defaults
+    def update():  # two minibatches of 16, one optimizer step each, as grpo.py's two minibatches
         for idx in torch.arange(len(input_ids)).split(16):
             optimizer.zero_grad()
             logprobs, _ = common.completion_logprobs(policy, input_ids[idx], attention[idx], T, 1.0)
@@ -517,7 +517,6 @@ if __name__ == "__main__":
     args.model_dir = args.model_dir or prepare_smollm2.prepare()
     os.makedirs(args.docs_dir, exist_ok=True)
     os.makedirs(args.runs_dir, exist_ok=True)
-    when = time.strftime("%Y-%m-%d")
     if args.tools:
         lines = [
             "`python benchmark_real_model.py --tools`: SmolLM2-135M-Instruct, CPU, alone.",
@@ -532,7 +531,7 @@ if __name__ == "__main__":
         print("\n".join(lines))
         raise SystemExit(0)
     sections = [
-        f"`python benchmark_real_model.py` on {when}: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
+        "`python benchmark_real_model.py`: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
         "",
         "## Learning",
         "",
@@ -542,7 +541,7 @@ if __name__ == "__main__":
         "",
         *lora_learning(args),
         "",
-        "## The 2025 additions learning",
+        "## CISPO, REINFORCE++, SAPO and on-policy distillation learning",
         "",
         *additions_learning(args),
         "",
