@@ -180,8 +180,9 @@ def lora_learning(args: Args) -> list[str]:
 
 
 def additions_learning(args: Args) -> list[str]:
-    """CISPO, REINFORCE++, SAPO and OPD with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's; opd with one
-    response to each of 32 prompts (its default shape: no group needed) and the learning run's GRPO model as teacher."""
+    """CISPO, REINFORCE++, SAPO and OPD with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's;
+    opd with one response to each of 32 prompts (its default shape: no group needed) and the learning run's GRPO model
+    as teacher."""
     full = run_measured("grpo.py", ["--model-name-or-path", args.model_dir, *LEARN], f"{args.runs_dir}/learn", args.fresh)
     opd = with_values(LEARN, {"--num-prompts": "32", "--group-size": "1"}) + ["--teacher", f"{args.runs_dir}/learn/model"]
     steps = ", ".join(str(step) for step, _, _ in evaluations(full["rows"]))
