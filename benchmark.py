@@ -575,6 +575,7 @@ if __name__ == "__main__":
     if args.memory:
         table = memory_table()
         with open(os.path.join(args.docs_dir, "memory.md"), "w") as f:
+            f.write("# Memory of a log-prob pass\n\n")
             f.write(f"`python benchmark.py --memory` (peak resident memory, CPU, each pass in a fresh process)\n\n{table}\n")
         print(table)
         raise SystemExit(0)

@@ -64,7 +64,7 @@ def test_summary_table_statistics():
 def test_rlhf_summary_reports_the_best_gold_evaluation_and_the_proxy():
     """The per-response KL is kl/ref (a mean over tokens) times the mean response length; the summary names the best
     held-out evaluation and its step, and the proxy and gold of the first and last ten steps."""
-    assert benchmark.response_kl({"kl/ref": 0.05, "rollout/response_length": 4.0}) == 0.2
+    assert benchmark.response_kl({"kl/ref": 0.05, "rollout/response_length": 4.0}) == 0.2  # exactly: 4 fl(0.05) = fl(0.2)
     rm = [{"step": 0, "data/pairs": 900, "data/eval_pairs": 100, "eval/pairwise_accuracy": 0.5, "time/command": 120.0}]
     rm += [{"step": 20, "eval/pairwise_accuracy": 0.82}, {"step": 40, "eval/pairwise_accuracy": 0.8}]
     ppo = [{"step": 0, "eval/accuracy": 0.5}]

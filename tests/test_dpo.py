@@ -18,30 +18,36 @@ def args(**overrides):
 
 
 def test_loss_value_and_metrics():
-    chosen, rejected = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
-    ref_chosen, ref_rejected = torch.tensor([-1.5, -2.0]), torch.tensor([-2.0, -2.0])
+    f64 = dict(dtype=torch.float64)
+    chosen, rejected = torch.tensor([-1.0, -2.0], **f64), torch.tensor([-3.0, -1.0], **f64)
+    ref_chosen, ref_rejected = torch.tensor([-1.5, -2.0], **f64), torch.tensor([-2.0, -2.0], **f64)
     loss, m = dpo.compute_loss(chosen, rejected, ref_chosen, ref_rejected, args(beta=0.5))
-    z = 0.5 * torch.tensor([(0.5) - (-1.0), (0.0) - (1.0)])  # beta * Delta per pair: (0.75, -0.5)
-    assert loss.item() == pytest.approx(-torch.log(torch.sigmoid(z)).mean().item(), abs=1e-6)
-    assert m["rewards/chosen"].mean().item() == pytest.approx(0.5 * (0.5 + 0.0) / 2)
-    assert m["rewards/rejected"].mean().item() == pytest.approx(0.5 * (-1.0 + 1.0) / 2)
-    assert m["rewards/margins"].mean().item() == pytest.approx(z.mean().item())
+    z = (0.75, -0.5)  # beta * Delta per pair: 0.5 * (0.5 - (-1.0)), 0.5 * (0.0 - 1.0)
+    # float64: log(1 + e^-z) of 2 pairs, a few u64 = 1e-16 of values < 1
+    assert loss.item() == pytest.approx(sum(math.log1p(math.exp(-x)) for x in z) / 2, abs=1e-12)
+    # exactly: the log-probs, beta and the means are halves and quarters, exact in binary floating point
+    assert m["rewards/chosen"].mean().item() == 0.5 * (0.5 + 0.0) / 2
+    assert m["rewards/rejected"].mean().item() == 0.5 * (-1.0 + 1.0) / 2
+    assert m["rewards/margins"].mean().item() == sum(z) / 2
     assert m["rewards/accuracies"].mean().item() == 0.5
-    same = torch.zeros(1)
+    same = torch.zeros(1, **f64)
     loss, m = dpo.compute_loss(same, same, same, same, args())
-    assert loss.item() == pytest.approx(math.log(2)) and m["rewards/accuracies"].mean().item() == 0.0  # a tie is not a win
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-12)  # float64: -log sigmoid(0) within a few u64
+    assert m["rewards/accuracies"].mean().item() == 0.0  # a tie is not a win
 
 
 def test_gradient_is_minus_beta_sigmoid_minus_z_times_the_score_difference():
     """d loss / d log pi(y_w) = -beta sigmoid(-z) / N and d loss / d log pi(y_l) = +beta sigmoid(-z) / N."""
-    beta = 0.3
-    chosen, rejected = torch.tensor([-1.0, -4.0], requires_grad=True), torch.tensor([-2.0, -1.0], requires_grad=True)
-    ref_chosen, ref_rejected = torch.tensor([-1.2, -3.0]), torch.tensor([-1.5, -1.5])
+    beta, f64 = 0.3, dict(dtype=torch.float64)
+    chosen = torch.tensor([-1.0, -4.0], **f64, requires_grad=True)
+    rejected = torch.tensor([-2.0, -1.0], **f64, requires_grad=True)
+    ref_chosen, ref_rejected = torch.tensor([-1.2, -3.0], **f64), torch.tensor([-1.5, -1.5], **f64)
     loss, _ = dpo.compute_loss(chosen, rejected, ref_chosen, ref_rejected, args(beta=beta))
     loss.backward()
     z = beta * ((chosen - ref_chosen) - (rejected - ref_rejected)).detach()
-    assert torch.allclose(chosen.grad, -beta * torch.sigmoid(-z) / 2, atol=1e-7)
-    assert torch.allclose(rejected.grad, beta * torch.sigmoid(-z) / 2, atol=1e-7)
+    # float64: a sigmoid and three products of values < 1 by two routes: a few u64 = 1e-16
+    assert torch.allclose(chosen.grad, -beta * torch.sigmoid(-z) / 2, rtol=0, atol=1e-12)
+    assert torch.allclose(rejected.grad, beta * torch.sigmoid(-z) / 2, rtol=0, atol=1e-12)
     assert chosen.grad[1].abs() > chosen.grad[0].abs()  # the pair the policy gets wrong (z < 0) weighs more
 
 
@@ -49,21 +55,23 @@ def test_the_kl_regularised_optimum_and_its_implied_rewards():
     """DPO §4 on five outcomes: p* = q exp(R / beta) / Z maximises E_p[R] - beta KL(p || q), and the DPO margin
     of pi = p* against pi_ref = q recovers the reward difference of any pair."""
     beta = 0.5
-    q = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
-    rewards = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15], dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3], dtype=torch.float64)
     p_star = q * torch.exp(rewards / beta)
     p_star = p_star / p_star.sum()
-    objective = lambda p: (p * rewards).sum() - beta * (p * (p / q).log()).sum()  # noqa: E731
+    objective = lambda p: (p * rewards).sum() - beta * (p * (p / q).log()).sum()
     torch.manual_seed(0)
     for _ in range(200):
         nearby = torch.softmax(p_star.log() + 0.3 * torch.randn(5), dim=0)
         assert objective(nearby) < objective(p_star)
-    assert objective(p_star).item() == pytest.approx(beta * torch.log((q * torch.exp(rewards / beta)).sum()).item(), abs=1e-6)
+    # float64: sums of 5 terms of size < 2 (p R and p log(p / q)): < 10 u64 * 5 = 6e-15
+    assert objective(p_star).item() == pytest.approx(beta * torch.log((q * torch.exp(rewards / beta)).sum()).item(), abs=1e-12)
     for win in range(5):
         for lose in range(5):
             logps = p_star.log()[[win]], p_star.log()[[lose]], q.log()[[win]], q.log()[[lose]]
             _, m = dpo.compute_loss(*logps, args(beta=beta))
-            assert m["rewards/margins"].mean().item() == pytest.approx((rewards[win] - rewards[lose]).item(), abs=1e-5)
+            # float64: a difference of 4 logs of size < 6, times beta: < 8 u64 * 6 = 5e-15
+            assert m["rewards/margins"].mean().item() == pytest.approx((rewards[win] - rewards[lose]).item(), abs=1e-12)
 
 
 def test_sequence_logps_are_sums_over_completion_tokens_only():
@@ -73,10 +81,12 @@ def test_sequence_logps_are_sums_over_completion_tokens_only():
     completion_ids = input_ids[:, prompt_len:]
     got = dpo.sequence_logps(model, prompt_ids, prompt_mask, completion_ids, mask)
     per_token, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
-    assert torch.allclose(got, (per_token * mask).sum(dim=1), atol=1e-5)
-    assert not torch.allclose(got, (per_token * mask).sum(dim=1) / mask.sum(dim=1), atol=1e-3)  # not a mean
+    # The same forward on the same batch (padding after a row's end is causally after, and masked): only the sum of
+    # <= 5 log-probs of size < 3 may run in another order, < 5 u * 15 = 5e-6 in float32. A mean is several nats off.
+    assert torch.allclose(got, (per_token * mask).sum(dim=1), rtol=0, atol=1e-5)
+    assert not torch.allclose(got, (per_token * mask).sum(dim=1) / mask.sum(dim=1), rtol=0, atol=1e-3)  # not a mean
     other_padding = completion_ids.masked_fill(~mask, 7)  # whatever sits on padding does not count
-    assert torch.allclose(dpo.sequence_logps(model, prompt_ids, prompt_mask, other_padding, mask), got, atol=1e-5)
+    assert torch.allclose(dpo.sequence_logps(model, prompt_ids, prompt_mask, other_padding, mask), got, rtol=0, atol=1e-5)
 
 
 def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypatch):

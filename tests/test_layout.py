@@ -104,3 +104,36 @@ def test_every_docs_page_is_reachable_and_its_links_resolve():
                 todo.append(target)
     pages = {os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")}
     assert pages <= reachable, pages - reachable
+
+
+def markdown_rows(text: str) -> list[dict]:
+    """The rows of every markdown table in `text`, each as {header: cell}."""
+    rows, header = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set("".join(cells)) <= set("-: "):
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def test_the_readme_results_are_those_of_the_generated_tables():
+    """Each row of the README's results table quotes benchmark.py's generated tables: the end accuracy's min-max over the
+    seeds, the minutes of the whole command and the responses generated; and it covers every script they hold."""
+    generated = {}
+    for path in ("docs/addition/results.md", "docs/additions/addition/results.md"):
+        with open(os.path.join(ROOT, path)) as f:
+            generated.update({row["algorithm"]: row for row in markdown_rows(f.read()) if "end accuracy" in row})
+    quoted = {
+        re.match(r"`(\w+)\.py`", row["script"]).group(1): row for row in markdown_rows(readme()) if "minutes" in " ".join(row)
+    }
+    assert quoted.keys() == generated.keys()
+    for name, row in quoted.items():
+        low, high = re.search(r"\((\d\.\d+)-(\d\.\d+)\)", generated[name]["end accuracy"]).groups()
+        assert row["held-out accuracy at the end"] == f"{100 * float(low):.1f}-{100 * float(high):.1f}%", name
+        assert row["minutes, whole command: mean (min-max)"] == generated[name]["minutes (command)"], name
+        assert row["responses generated"].split(" (")[0] == generated[name]["responses generated"], name

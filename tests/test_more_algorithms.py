@@ -15,9 +15,12 @@ import sapo
 
 
 def loss_and_grad(module, logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None):
-    """The loss and its gradient with respect to the token log-probs."""
-    logprobs = torch.tensor(logprobs).requires_grad_(True)
-    loss, metrics = module.compute_loss(logprobs, torch.tensor(old_logprobs), ref_logprobs, advantages, mask, args)
+    """The loss and its gradient with respect to the token log-probs, in float64: its rounding (u64 = 1.1e-16) is then far
+    below every tolerance here, which is set by the worked numbers' printed decimals. (The advantages and reference
+    log-probs the tests pass are exact in float32 and promote to float64.)"""
+    logprobs = torch.tensor(logprobs, dtype=torch.float64).requires_grad_(True)
+    old_logprobs = torch.tensor(old_logprobs, dtype=torch.float64)
+    loss, metrics = module.compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args)
     loss.backward()
     return loss.item(), logprobs.grad, metrics
 
@@ -32,12 +35,13 @@ def test_cispo_keeps_the_gradient_of_a_token_past_the_clip_with_the_clipped_weig
     mask = torch.ones(1, 3, dtype=torch.bool)
     logprobs = [[math.log(0.5), 0.0, math.log(1.5)]]
     loss, grad, metrics = loss_and_grad(cispo, logprobs, [[0.0, 0.0, 0.0]], torch.tensor([2.0]), mask, cispo.Args())
-    assert loss == pytest.approx(-0.114948, abs=1e-6)
-    assert torch.allclose(grad, torch.tensor([[-1 / 3, -2 / 3, -2.56 / 3]]), atol=1e-6)
+    assert loss == pytest.approx(-0.114948, abs=5e-7)  # printed to 6 decimals: off by at most 5e-7
+    # float64: products and a division of values < 3, a few u64 = 1e-16
+    assert torch.allclose(grad, torch.tensor([[-1 / 3, -2 / 3, -2.56 / 3]], dtype=torch.float64), rtol=0, atol=1e-12)
     assert metrics["train/clip_frac_high"].tolist() == [0.0, 0.0, 1.0]  # the third token's weight was clipped, A > 0
     # GRPO's clip (eps 0.2) drops that token from the gradient: d/d log pi of -min(rA, clip(r)A)/3 is -rA/3 or 0
     _, grpo_grad, _ = loss_and_grad(grpo, logprobs, [[0.0, 0.0, 0.0]], torch.tensor([2.0]), mask, grpo.Args(beta=0.0))
-    assert torch.allclose(grpo_grad, torch.tensor([[-1 / 3, -2 / 3, 0.0]]), atol=1e-6)
+    assert torch.allclose(grpo_grad, torch.tensor([[-1 / 3, -2 / 3, 0.0]], dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +60,7 @@ def test_cispo_weight_at_and_past_each_clip_edge(ratio, advantage, weight):
     args = cispo.Args(clip_eps_low=0.2, clip_eps_high=0.28)
     mask = torch.ones(1, 1, dtype=torch.bool)
     _, grad, _ = loss_and_grad(cispo, [[math.log(ratio)]], [[0.0]], torch.tensor([advantage]), mask, args)
-    assert grad.item() == pytest.approx(-weight * advantage, abs=1e-6)
+    assert grad.item() == pytest.approx(-weight * advantage, abs=1e-12)  # float64: r = exp(log r) within a few u64
 
 
 def test_cispo_averages_over_every_token_of_the_batch_not_per_response():
@@ -66,7 +70,8 @@ def test_cispo_averages_over_every_token_of_the_batch_not_per_response():
     _, grad, _ = loss_and_grad(
         cispo, [[-1.0] * 3, [-1.0] * 3], [[-1.0] * 3, [-1.0] * 3], torch.tensor([1.0, 1.0]), mask, cispo.Args()
     )
-    assert torch.allclose(grad, torch.tensor([[-0.25, 0.0, 0.0], [-0.25, -0.25, -0.25]]), atol=1e-7)
+    # exactly: r = exp(0) = 1 and the token mean divides by 4, a power of 2
+    assert torch.equal(grad, torch.tensor([[-0.25, 0.0, 0.0], [-0.25, -0.25, -0.25]], dtype=torch.float64))
 
 
 # --- REINFORCE++-baseline: centre within the group, then divide by the batch's std -----------------------------------
@@ -75,11 +80,13 @@ def test_cispo_averages_over_every_token_of_the_batch_not_per_response():
 def test_reinforce_pp_divides_by_the_std_of_the_whole_batch():
     # groups [1,0,0,0] and [1,1,0,0]: centred 0.75,-0.25,-0.25,-0.25 and 0.5,0.5,-0.5,-0.5 (batch mean 0). Population std
     # over the 8: sqrt((0.5625 + 3*0.0625 + 4*0.25) / 8) = sqrt(0.21875) = 0.467707; A = centred / (0.467707 + 1e-4).
-    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0], dtype=torch.float64)
     expected = [1.603225, -0.534408, -0.534408, -0.534408, 1.068816, 1.068816, -1.068816, -1.068816]
-    assert torch.allclose(reinforce_pp.compute_advantages(rewards, 4), torch.tensor(expected), atol=1e-5)
+    # float64 (error ~1e-16) against numbers printed to 6 decimals: off by at most 5e-7
+    expected = torch.tensor(expected, dtype=torch.float64)
+    assert torch.allclose(reinforce_pp.compute_advantages(rewards, 4), expected, rtol=0, atol=5e-7)
     # GRPO divides each group by its own std (0.433013 and 0.5): 1.731651 for the first group's correct answer, 0.999800
-    assert grpo.compute_advantages(rewards, 4)[[0, 4]].tolist() == pytest.approx([1.731651, 0.999800], abs=1e-5)
+    assert grpo.compute_advantages(rewards, 4)[[0, 4]].tolist() == pytest.approx([1.731651, 0.999800], abs=5e-7)
 
 
 def test_reinforce_pp_equal_rewards_give_exactly_zero():
@@ -95,8 +102,9 @@ def test_reinforce_pp_kl_is_k2_in_the_loss():
     loss, grad, metrics = loss_and_grad(
         reinforce_pp, [[-1.0]], [[-1.0]], torch.tensor([0.0]), mask, args, torch.tensor([[-1.5]])
     )
-    assert loss == pytest.approx(0.005, abs=1e-7) and grad.item() == pytest.approx(0.02, abs=1e-7)
-    assert metrics["kl/ref"].item() == pytest.approx(0.125, abs=1e-7)
+    # float64: two or three products of values < 1, a few u64 = 1e-16
+    assert loss == pytest.approx(0.005, abs=1e-12) and grad.item() == pytest.approx(0.02, abs=1e-12)
+    assert metrics["kl/ref"].item() == pytest.approx(0.125, abs=1e-12)
 
 
 # --- SAPO: f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau_pos = 1.0 for A > 0, tau_neg = 1.05 for A < 0 -----------------
@@ -118,15 +126,18 @@ def test_sapo_gate_value_and_slope(ratio, advantage, loss, slope):
     value, grad, metrics = loss_and_grad(
         sapo, [[math.log(ratio)]], [[0.0]], torch.tensor([advantage]), mask, sapo.Args(beta=0.0)
     )
-    assert value == pytest.approx(loss, abs=1e-5) and grad.item() == pytest.approx(slope, abs=1e-5)
+    # Numbers printed to 6 decimals (off by at most 5e-7), and sapo.py makes tau a float32 constant even for float64
+    # inputs: 1.05 rounds by 5e-8 relative, which moves the value and the slope by < 2e-7 (r = 3). Together < 1e-6.
+    assert value == pytest.approx(loss, abs=1e-6) and grad.item() == pytest.approx(slope, abs=1e-6)
 
 
 def test_sapo_gate_fades_far_from_one_where_grpo_cuts():
-    # r = 1.3, A = +1: GRPO's clip gives slope 0; SAPO keeps 4 s (1 - s) r with s = sigmoid(0.3) = 0.574443: 0.977834 * 1.3
+    # r = 1.3, A = +1: GRPO's clip gives slope 0; SAPO keeps 4 s (1 - s) r with s = sigmoid(0.3) = 0.574443: 0.977833 * 1.3
+    # = 1.271183 (float64 against numbers printed to 6 decimals: off by at most 5e-7)
     mask = torch.ones(1, 1, dtype=torch.bool)
     _, grad, metrics = loss_and_grad(sapo, [[math.log(1.3)]], [[0.0]], torch.tensor([1.0]), mask, sapo.Args(beta=0.0))
-    assert grad.item() == pytest.approx(-1.271184, abs=1e-5) and metrics["train/gate_weight"].item() == pytest.approx(
-        0.977834, abs=1e-5
+    assert grad.item() == pytest.approx(-1.271183, abs=5e-7) and metrics["train/gate_weight"].item() == pytest.approx(
+        0.977833, abs=5e-7
     )
     _, grpo_grad, _ = loss_and_grad(grpo, [[math.log(1.3)]], [[0.0]], torch.tensor([1.0]), mask, grpo.Args(beta=0.0))
     assert grpo_grad.item() == 0.0
@@ -147,7 +158,8 @@ def test_opd_loss_on_policy():
     mask = torch.ones(1, 2, dtype=torch.bool)
     advantages = opd.compute_advantages(torch.tensor([[-0.5, -2.0]]), torch.tensor([[-1.0, -1.0]]), mask)
     loss, grad, metrics = loss_and_grad(opd, [[-1.0, -1.0]], [[-1.0, -1.0]], advantages, mask, opd.Args())
-    assert loss == pytest.approx(0.25) and grad.tolist() == [[-0.25, 0.5]] and metrics["kl/teacher"].mean().item() == 0.25
+    # exactly: halves and quarters, exact in binary floating point
+    assert loss == 0.25 and grad.tolist() == [[-0.25, 0.5]] and metrics["kl/teacher"].mean().item() == 0.25
 
 
 def test_opd_teacher_equal_to_student_gives_no_signal():

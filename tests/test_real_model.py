@@ -47,7 +47,9 @@ def test_grpo_trains_smollm2_offline_through_the_command_line(smollm2, tmp_path,
     run_here(monkeypatch, "grpo.py", *flags)  # its command line, in this process (a fresh one costs seconds of imports)
     logged = rows(tmp_path / "run")
     assert [r["step"] for r in logged] == [0, 1] and 0 <= logged[-1]["eval/accuracy"] <= 1
-    assert logged[1]["train/ratio"] == 1.0  # one minibatch: on-policy, the ratio of a pass with itself
+    # one minibatch: on-policy, the ratio of a pass with itself, exactly: the old log-probs come from a pass of the same
+    # rows at the update's batch shape, so each row's sums run in the same order and log pi - log pi_old = 0
+    assert logged[1]["train/ratio"] == 1.0
     with open(tmp_path / "run" / "samples.jsonl") as f:
         first = json.loads(f.readline())
     assert first["prompt"].startswith("<|im_start|>system\nSolve the problem step by step.")  # the chat template
@@ -64,7 +66,7 @@ def test_the_tool_answers_ids_are_what_the_chat_template_renders(smollm2):
     chat = tools.ChatFormat(tokenizer, [end_of_turn])
     conversation = [{"role": "system", "content": chat.INSTRUCTION}, {"role": "user", "content": "What is 347 * 86?"}]
     prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
     call_turn, last_turn = "I will use the calculator. <calc>347 * 86</calc>", "347 * 86 is 29842."
     call = chat.find_call(call_turn)
     assert call == ("calculator", {"expression": "347 * 86"})

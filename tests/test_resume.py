@@ -66,9 +66,10 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     monkeypatch.setattr(tasks.Task, "reward", by_text)
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "parts"), "--resume")
 
-    untimed = lambda run: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(tmp_path / run)]  # noqa: E731
+    untimed = lambda run: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(tmp_path / run)]
+    # exactly: the resumed run repeats the same operations on the same shapes, kernels and random state, in one process
     assert untimed("parts") == untimed("whole") and [r["step"] for r in rows(tmp_path / "parts")] == [0, 1, 2, 3]
-    samples = lambda run: (tmp_path / run / "samples.jsonl").read_text()  # noqa: E731
+    samples = lambda run: (tmp_path / run / "samples.jsonl").read_text()
     assert samples("parts") == samples("whole")
     whole, parts = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("whole", "parts"))
     assert all(torch.equal(whole[k], parts[k]) for k in whole)

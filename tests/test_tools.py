@@ -161,9 +161,9 @@ def conversations(monkeypatch):
 
 def test_the_rollout_appends_each_answer_and_masks_only_the_environments_ids(conversations):
     tokenizer, out, _, _, _ = conversations
-    text = lambda i, where: "".join(  # noqa: E731
-        tokenizer.convert_ids_to_tokens(out.completion_ids[i][where[i]].tolist())
-    ).replace("<eos>", "$")
+    text = lambda i, where: "".join(tokenizer.convert_ids_to_tokens(out.completion_ids[i][where[i]].tolist())).replace(
+        "<eos>", "$"
+    )
     assert [text(i, out.valid) for i in range(4)] == [
         "<12*3>[36]36$",
         "41$",
@@ -249,10 +249,10 @@ def test_the_environments_tokens_change_nothing_in_the_loss():
     assert metrics.keys() == metrics_p.keys() and all(torch.equal(metrics[k], metrics_p[k]) for k in metrics)
 
     # the environment's columns removed: each row's model ids alone, left-aligned (row 2 has 4, row 1 has 4)
-    compact = lambda x: torch.stack([row[keep] for row, keep in zip(x, by_model)])  # noqa: E731
+    compact = lambda x: torch.stack([row[keep] for row, keep in zip(x, by_model)])
     loss_c, grad_c, metrics_c = loss_and_gradient(*(compact(x) for x in (logprobs, old, ref)), advantages, compact(by_model))
     # float64 sums of at most 7 terms of size below 10: a different order of summation moves them by far less than 1e-12
-    close = lambda x, y: torch.allclose(x, y, rtol=1e-12, atol=1e-12)  # noqa: E731
+    close = lambda x, y: torch.allclose(x, y, rtol=1e-12, atol=1e-12)
     assert close(loss, loss_c) and close(compact(grad), grad_c)
     assert all(close(metrics[k], metrics_c[k]) for k in metrics)
     assert len(metrics["kl/ref"]) == by_model.sum() == 8  # one KL sample per model token
@@ -300,7 +300,8 @@ def test_grpo_tools_end_to_end(tool_run_flags, tmp_path, monkeypatch):
         assert key in logged[-1], key
     assert sum(r["rollout/tokens_by_environment"] for r in logged[1:]) > 0
     for r in logged[1:]:
-        assert r["rollout/response_length"] == pytest.approx(r["rollout/tokens_by_model"], rel=1e-6)  # float32 means
+        # float32 means of the same integer counts: the sums are exact (< 2^24), one division each, < u = 6e-8 relative
+        assert r["rollout/response_length"] == pytest.approx(r["rollout/tokens_by_model"], rel=1e-6)
     with open(tmp_path / "samples.jsonl") as f:
         sample = json.loads(f.readline())
     assert sample["prompt"].endswith("=") and sample["turns"] and "model" in sample["turns"][0]
