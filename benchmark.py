@@ -25,7 +25,7 @@ import common
 import tasks
 from plumbing import checks
 
-ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo", "cispo", "reinforce_pp", "sapo", "opd"]
+ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo", "cispo", "reinforce_pp", "sapo", "opd", "maxrl"]
 TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to X%" column
 
 
@@ -40,6 +40,9 @@ class Args:
     eval_every: int = 0
     """evaluate every N steps in every run (0: each script's default, every 5,120 responses on the built-in tasks); a
     finer grid shows when each run first reaches the target accuracy more exactly (use another --runs-dir)"""
+    eval_samples: int = 0
+    """pass every RL script --eval-samples N: its evaluations also log eval/pass@k from N responses per held-out
+    problem, and the table gets a pass@k section (use another --runs-dir: the runs differ only in what they log)"""
     quick: bool = False
     """a few steps, the first seed and the first task, to check the pipeline (to runs/benchmark-quick and docs/quick)"""
     fresh: bool = False
@@ -78,6 +81,7 @@ def run_all(args: Args, task: str) -> dict:
         results[algorithm] = []
         for seed in args.seeds:
             flags = ["--task", task, "--seed", str(seed)] + (["--eval-every", str(args.eval_every)] if args.eval_every else [])
+            flags += ["--eval-samples", str(args.eval_samples)] if args.eval_samples and algorithm != "dpo" else []
             if args.quick:
                 flags += ["--total-steps", "10", "--eval-every", "5"] + (
                     ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
@@ -173,6 +177,23 @@ def summary_table(results: dict, target: float) -> str:
             f"{responses:,.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pass_at_k_table(results: dict) -> str:
+    """Greedy accuracy beside pass@k (sampled at each script's temperature) at the first and the last evaluation, for
+    the algorithms whose runs logged it (--eval-samples); empty when none did."""
+    ks = sorted({int(key.split("@")[1]) for runs in results.values() for key in runs[0][-1] if key.startswith("eval/pass@")})
+    logged = {algorithm: runs for algorithm, runs in results.items() if all("eval/pass@1" in rows[-1] for rows in runs)}
+    if not ks or not logged:
+        return ""
+    lines = ["| algorithm | evaluation | greedy accuracy | " + " | ".join(f"pass@{k}" for k in ks) + " |"]
+    lines.append("| --- | --- | --- |" + " --- |" * len(ks))
+    spread = lambda xs: f"{statistics.mean(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+    for algorithm, runs in logged.items():
+        for when, index in (("start", 0), ("end", -1)):
+            cells = [spread([rows[index][key] for rows in runs]) for key in ["eval/accuracy"] + [f"eval/pass@{k}" for k in ks]]
+            lines.append(f"| {algorithm} | {when} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -613,6 +634,9 @@ if __name__ == "__main__":
                 os.remove(f"{d}/{stale}")
         plot_task(results, task, d)
         table = summary_table(results, TARGET[task])
+        if pass_at_k_table(results):
+            table += "\n\npass@k: the unbiased estimate from N responses per held-out problem, sampled at temperature 1 "
+            table += "(Chen et al. 2021); mean (min-max) over seeds.\n\n" + pass_at_k_table(results)
         with open(f"{d}/results.md", "w") as f:
             f.write(f"Task {task}; seeds {args.seeds}; mean ± population std (min-max) over seeds.\n\n{table}\n")
         print(f"{task}:\n{table}")

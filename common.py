@@ -222,10 +222,14 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task, max_new_tokens: int, dataset=None, batch_size: int = 512, num_samples=4) -> dict:
+def evaluate(
+    model, tokenizer, task, max_new_tokens: int, eval_samples=0, temperature=1.0, dataset=None, batch_size=512, num_samples=4
+) -> dict:
     """Greedy accuracy on the task's fixed held-out split (or on `dataset`), with the mean response length and, under
-    "samples", what the model said to the first `num_samples` problems (to read, beside the score). Under torchrun each
-    rank answers its share of the problems and the scores are summed over the ranks."""
+    "samples", what the model said to the first `num_samples` problems (to read, beside the score). With `eval_samples`
+    N > 0, also eval/pass@k for k = 1, 2, 4, ... up to N (and N itself) from N responses sampled per problem at
+    `temperature` (see sampled_pass_at_k). Under torchrun each rank answers its share of the problems and the scores
+    are summed over the ranks."""
     dataset = task.eval if dataset is None else dataset
     was_training = model.training
     model.eval()
@@ -251,11 +255,56 @@ def evaluate(model, tokenizer, task, max_new_tokens: int, dataset=None, batch_si
         sums = torch.stack([correct.sum(), lengths.sum(), torch.tensor(len(correct))]).double()
         total, length, count = dist.all_reduce(sums)
         correct, lengths = (total / count).view(1), (length / count).view(1)
+    passes = sampled_pass_at_k(model, tokenizer, task, dataset, max_new_tokens, eval_samples, temperature, batch_size)
     return {
         "eval/accuracy": correct.mean().item(),
         "eval/response_length": lengths.mean().item(),
+        **passes,
         "samples": samples,  # run_state.MetricsLogger writes these to samples.jsonl, not to metrics.jsonl
     }
+
+
+def pass_at_k(num_correct: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The unbiased estimate of pass@k, the chance that at least one of k responses is correct, from n >= k sampled
+    responses of which `num_correct` (per problem) are (Chen et al. 2021, Evaluating Large Language Models Trained on
+    Code, §2.1): 1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without replacement are all wrong. The
+    ratio of binomials is the product over i < k of (n - c - i) / (n - i), a factor that reaches 0 (clamped there) when
+    fewer than k wrong ones are left: no overflow for any n. Returns (P,) in float64."""
+    wrong = n - num_correct.double()[:, None]  # (P, 1)
+    i = torch.arange(k, dtype=torch.float64, device=wrong.device)  # (k,)
+    return 1 - ((wrong - i) / (n - i)).clamp(min=0).prod(dim=1)
+
+
+def pass_at_k_samples(num_correct: torch.Tensor, n: int) -> dict:
+    """eval/pass@k for k = 1, 2, 4, ... up to n (and n itself), one sample per problem (P,) for pool_metrics, whose mean
+    over the problems (of every rank) is the figure logged."""
+    ks = sorted({2**j for j in range(n.bit_length())} | {n})
+    return {f"eval/pass@{k}": pass_at_k(num_correct, n, k) for k in ks}
+
+
+def sampled_pass_at_k(model, tokenizer, task, dataset, max_new_tokens, eval_samples, temperature, batch_size) -> dict:
+    """eval/pass@k on `dataset`: each problem answered `eval_samples` times at `temperature`, pass_at_k of its count of
+    correct answers, averaged over the problems. The sampling draws from a random stream of its own, seeded the same at
+    every evaluation, so that turning it on leaves training exactly as it was."""
+    if eval_samples == 0:
+        return {}
+    device = next(model.parameters()).device
+    rows = torch.arange(len(dataset)).tensor_split(dist.world_size())[dist.rank()]  # under torchrun: this rank's share
+    per_batch = max(1, batch_size // eval_samples)  # problems per batch: about batch_size responses
+    num_batches = math.ceil(math.ceil(len(dataset) / dist.world_size()) / per_batch)  # the same on every rank
+    num_correct = []  # (P,) per batch
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(dist.rank())  # every evaluation draws the same random numbers
+        for part in rows.tensor_split(num_batches):
+            batch = dataset[part.tolist()]
+            prompts = [p for p in batch["prompt"] for _ in range(eval_samples)]  # each problem's answers contiguous
+            answers = [a for a in batch["answer"] for _ in range(eval_samples)]
+            prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+            ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
+            correct = task.reward(decode(tokenizer, ids, mask, truncated), answers)  # (B,)
+            num_correct.append(correct.view(-1, eval_samples).sum(dim=1))
+    pooled = pool_metrics([pass_at_k_samples(torch.cat(num_correct), eval_samples)])  # under torchrun: every rank's
+    return {name: value.item() for name, value in pooled.items()}
 
 
 def lengths_by_outcome(lengths: torch.Tensor, scores: torch.Tensor) -> dict:

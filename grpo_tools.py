@@ -73,6 +73,9 @@ class Args:
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+    eval_samples: int = 0
+    """with N > 0, each evaluation also samples N responses per held-out problem at --temperature and logs eval/pass@k
+    for k = 1, 2, 4, ..., N (0: off; N = 8 makes an evaluation about N times as long)"""
     save_every: int = 50
     """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
     resume: bool = False
@@ -324,6 +327,14 @@ def evaluate(policy, tokenizer, tool_format, task, args, num_samples: int = 4) -
     conversations = rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, temperature=0.0)
     correct = task.reward(conversations.final_turns, batch["answer"]).to(device)
     metrics = common.pool_metrics([{"eval/accuracy": correct, **tool_metrics(conversations, correct, "eval")}])
+    if args.eval_samples:  # pass@k of whole conversations, args.eval_samples per problem at --temperature (see common)
+        n = args.eval_samples
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(dist.rank())  # every evaluation draws the same random numbers, training's stay untouched
+            ids, mask = prompt_ids.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
+            sampled = rollout(policy, tokenizer, tool_format, ids, mask, args, args.temperature)
+        num_correct = task.reward(sampled.final_turns, [a for a in batch["answer"] for _ in range(n)]).view(-1, n).sum(dim=1)
+        metrics.update(common.pool_metrics([common.pass_at_k_samples(num_correct, n)]))
     fields = zip(batch["prompt"], conversations.transcripts, batch["answer"], correct.tolist())
     samples = [{"prompt": p, "turns": t, "answer": a, "reward": r} for p, t, a, r in list(fields)[:num_samples]]
     return {**metrics, "samples": samples}

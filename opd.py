@@ -67,6 +67,9 @@ class Args:
     """where metrics.jsonl and the final model go (default: runs/EXP_NAME__SEED)"""
     eval_every: int = 20
     """evaluate greedy held-out accuracy every this many steps (and before the first and after the last)"""
+    eval_samples: int = 0
+    """with N > 0, each evaluation also samples N responses per held-out problem at --temperature and logs eval/pass@k
+    for k = 1, 2, 4, ..., N (0: off; N = 8 makes an evaluation about N times as long)"""
     save_every: int = 50
     """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
     resume: bool = False
@@ -240,7 +243,9 @@ if __name__ == "__main__":
     logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
     if args.track:  # every logged row to trackio too, with the flags as the run's config
         logger.track(vars(args))
-    eval_metrics = logger.last_eval or common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+    eval_metrics = logger.last_eval or common.evaluate(
+        policy, tokenizer, task, args.max_new_tokens, args.eval_samples, args.temperature
+    )
     logger.log(0, eval_metrics)
 
     bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
@@ -331,7 +336,7 @@ if __name__ == "__main__":
             }
         )
         if step % args.eval_every == 0 or step == args.total_steps:
-            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens)
+            eval_metrics = common.evaluate(policy, tokenizer, task, args.max_new_tokens, args.eval_samples, args.temperature)
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")

@@ -132,6 +132,7 @@ def rl_flags(args) -> None:
     flag(args, "beta", "must be 0 (no KL penalty) or positive", lambda v: v >= 0)
     for name in ("num_prompts", "num_minibatches", "num_epochs", "eval_every"):
         flag(args, name, "must be at least 1", lambda v: v >= 1)
+    flag(args, "eval_samples", "must be 0 (no pass@k) or at least 1 response per held-out problem", lambda v: v >= 0)
     flag(args, "max_new_tokens", "must be 0 (the task's) or positive", lambda v: v >= 0)
     flag(args, "total_steps", "must be 0 (TOTAL_STEPS, half of it on the scratchpad task) or positive", lambda v: v >= 0)
     flag(args, "micro_batch_size", "must be 0 (the whole minibatch) or positive", lambda v: v >= 0)

@@ -17,6 +17,7 @@ import dpo
 import dr_grpo
 import grpo
 import gspo
+import maxrl
 import opd
 import ppo
 import reinforce_pp
@@ -26,7 +27,7 @@ import sft
 import tasks
 from plumbing import checks, hub, models
 
-RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo, cispo, reinforce_pp, sapo]  # opd.py needs --teacher: below
+RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo, cispo, reinforce_pp, sapo, maxrl]  # opd.py needs --teacher: below
 NAN, INF = float("nan"), float("inf")
 
 
@@ -51,13 +52,14 @@ def refused(module, message, **overrides):
         ("max_new_tokens", -3, "must be 0 (the task's) or positive"),
         ("num_prompts", 0, "must be at least 1"),
         ("micro_batch_size", -8, "must be 0 (the whole minibatch) or positive"),
+        ("eval_samples", -1, "must be 0 (no pass@k) or at least 1 response per held-out problem"),
     ],
 )
 def test_every_rl_script_refuses_shared_flags_out_of_range(module, flag, value, allowed):
     refused(module, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
 
 
-@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo, reinforce_pp], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo, reinforce_pp, maxrl], ids=lambda m: m.__name__)
 @pytest.mark.parametrize("value", [1.5, 1.0, 0.0, -0.2, NAN])
 def test_clip_range_must_lie_in_0_1(module, value):
     refused(module, f"--clip-eps {value}: must be in (0, 1)", clip_eps=value)

@@ -80,3 +80,16 @@ def test_rlhf_summary_reports_the_best_gold_evaluation_and_the_proxy():
     assert "--beta 0.5: gold held-out accuracy 0.500 at the start, best 0.700 at step 10, 0.550 at step 30" in lines[1]
     assert "0.550 at the start, 2.550 at the end" in lines[2]  # steps 1-10 and 21-30: means 0.55 and 2.55
     assert "0.200 nats" in lines[2]
+
+
+def test_pass_at_k_table_lists_greedy_accuracy_beside_each_k_at_start_and_end():
+    with_pass = [run([0.5, 0.9]), run([0.7, 0.8])]
+    for rows, (first, last) in zip(with_pass, [(0.25, 0.5), (0.75, 1.0)]):
+        rows[0].update({"eval/pass@1": first, "eval/pass@2": first + 0.125})
+        rows[-1].update({"eval/pass@1": last, "eval/pass@2": last})
+    lines = benchmark.pass_at_k_table({"a": with_pass, "b": [run([0.5, 0.6])]}).splitlines()
+    assert lines[0] == "| algorithm | evaluation | greedy accuracy | pass@1 | pass@2 |"
+    assert lines[2] == "| a | start | 0.600 (0.500-0.700) | 0.500 (0.250-0.750) | 0.625 (0.375-0.875) |"
+    assert lines[3] == "| a | end | 0.850 (0.800-0.900) | 0.750 (0.500-1.000) | 0.750 (0.500-1.000) |"
+    assert len(lines) == 4  # "b" logged no pass@k: left out
+    assert benchmark.pass_at_k_table({"b": [run([0.5, 0.6])]}) == ""

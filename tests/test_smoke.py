@@ -60,6 +60,7 @@ def rows(output_dir):
         ("cispo.py", ["train/clip_frac_high", "train/clip_frac_high_negative"]),
         ("reinforce_pp.py", ["kl/ref", "loss/kl"]),
         ("sapo.py", ["train/gate_weight", "kl/ref"]),
+        ("maxrl.py", ["kl/ref", "eval/pass@1", "eval/pass@2"]),  # with --eval-samples 2
         ("opd.py", ["kl/teacher", "rollout/gold_accuracy"]),
     ],
 )
@@ -67,6 +68,7 @@ def test_end_to_end_through_the_command_line(monkeypatch, model_dir, teacher_dir
     flags = ["--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL]
     flags += ["--teacher", teacher_dir] if script == "opd.py" else []
     flags += ["--gradient-checkpointing"] if script == "rloo.py" else []  # the same run, layers recomputed
+    flags += ["--eval-samples", "2"] if script == "maxrl.py" else []  # pass@1 and pass@2 beside the greedy accuracy
     # through the command line, in this process (a fresh interpreter costs seconds of imports); a copy of grpo.py runs in
     # a fresh interpreter, exactly as a user runs it, in test_the_docs_own_task_runs_from_the_command_line
     run_here(monkeypatch, script, *flags)

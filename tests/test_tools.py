@@ -353,3 +353,12 @@ def test_a_template_that_knows_tools_describes_the_calculator_from_its_docstring
         True,
     )
     assert chat.before + "6" + chat.after == "\n<|im_start|>tool\n6<eos>\n<|im_start|>assistant\n"
+
+
+def test_grpo_tools_logs_pass_at_k_of_whole_conversations(tool_run_flags, tmp_path, monkeypatch):
+    """--eval-samples 2: each held-out problem is also answered twice at the sampling temperature, tool calls and all,
+    and pass@1 <= pass@2 (per problem, 1 - C(n - c, k) / C(n, k) grows with k)."""
+    flags = [*tool_run_flags, "--total-steps", "1", "--num-prompts", "4", "--group-size", "2", "--eval-samples", "2"]
+    run_here(monkeypatch, "grpo_tools.py", *flags, "--device", "cpu", "--output-dir", str(tmp_path))
+    for row in rows(tmp_path):  # step 0 and step 1, both evaluations
+        assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1
