@@ -174,7 +174,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # (N, T) masked before exp: padding cannot overflow
     ratio = torch.exp(log_ratio)  # (N, T) pi_theta / pi_old of each sampled token (PPO, Schulman 2017, §3)
     adv = advantages[:, None]  # (N, 1) the response's advantage is shared by all of its tokens
-    tau = torch.where(adv > 0, args.tau_pos, args.tau_neg)  # (N, 1) SAPO: a temperature per sign of the advantage
+    tau = torch.where(adv > 0, ratio.new_tensor(args.tau_pos), args.tau_neg)  # (N, 1) SAPO: a temperature per sign of A
     gate = torch.sigmoid(tau * (ratio - 1))  # (N, T) s
     pg_loss = -gate * 4 / tau * adv  # (N, T) SAPO: -f(r) A, f(r) = s * 4 / tau, a smooth stand-in for the clip
     loss = pg_loss
