@@ -1,7 +1,7 @@
 """Reference results: every algorithm with its default settings, over several seeds, on each built-in task.
 
     pip install matplotlib                    # only this script needs it
-    python benchmark.py                       # 2 tasks x 11 algorithms x 3 seeds, one after another (hours on a CPU)
+    python benchmark.py                       # 2 tasks x 16 algorithms x 3 seeds, one after another (hours on a CPU)
     python benchmark.py --tasks addition      # one task
     python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
     python benchmark.py --tools               # tool use: grpo_tools.py against grpo.py on the multiplication task
@@ -26,6 +26,8 @@ import tasks
 from plumbing import checks
 
 ALGORITHMS = ["grpo", "rloo", "dr_grpo", "dapo", "gspo", "ppo", "dpo", "cispo", "reinforce_pp", "sapo", "opd", "maxrl"]
+ALGORITHMS += ["ipo", "simpo", "orpo", "kto"]
+PREFERENCE = {"dpo", "ipo", "simpo", "orpo", "kto"}  # trained on pairs built before training: no sampling, no pass@k
 TARGET = {"addition": 0.9, "scratchpad": 0.6}  # the accuracy of the "minutes to X%" column
 
 
@@ -81,10 +83,10 @@ def run_all(args: Args, task: str) -> dict:
         results[algorithm] = []
         for seed in args.seeds:
             flags = ["--task", task, "--seed", str(seed)] + (["--eval-every", str(args.eval_every)] if args.eval_every else [])
-            flags += ["--eval-samples", str(args.eval_samples)] if args.eval_samples and algorithm != "dpo" else []
+            flags += ["--eval-samples", str(args.eval_samples)] if args.eval_samples and algorithm not in PREFERENCE else []
             if args.quick:
                 flags += ["--total-steps", "10", "--eval-every", "5"] + (
-                    ["--num-pair-prompts", "300"] if algorithm == "dpo" else []
+                    ["--num-pair-prompts", "300"] if algorithm in PREFERENCE else []
                 )
             if algorithm == "opd":  # its teacher: grpo.py's model of the same task and seed, from the same warm-up
                 teacher = os.path.join(args.runs_dir, task, f"grpo__{seed}", "model")
