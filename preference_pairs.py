@@ -98,6 +98,16 @@ def load_pairs(path: str):
     return tasks.load_user_dataset(path, "--dataset", ("prompt", "chosen", "rejected"))
 
 
+def load_labelled(path: str):
+    """--dataset of labelled examples (kto.py): like load_pairs, with prompt, completion and label columns, the label
+    true (desirable) or false (undesirable), or 1 / 0; any other label is refused in one line."""
+    examples = tasks.load_user_dataset(path, "--dataset", ("prompt", "completion", "label"))
+    for value in examples["label"]:
+        if value not in (True, False):  # 1 and 0 compare equal to them; "yes", None and 2 do not
+            raise SystemExit(f"--dataset {path!r}: a label is {value!r}; labels must be true or false (or 1 or 0)")
+    return examples
+
+
 def render_prompts(pairs, tokenizer, args) -> tasks.Task:
     """A task whose `train` holds a user's pairs, their prompts rendered as the RL scripts render a user's prompts
     (tasks.apply_chat_template: --chat-template, and --instruction or the --task's answer format as the system message);
@@ -115,13 +125,14 @@ def render_prompts(pairs, tokenizer, args) -> tasks.Task:
     return tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # .train: the pairs
 
 
-def tokenize_pairs(tokenizer, pairs, device: torch.device) -> dict:
+def tokenize_pairs(tokenizer, pairs, device: torch.device, keys=("chosen", "rejected")) -> dict:
     """Left-padded prompts and right-padded chosen / rejected completions, each followed by the end token it was sampled
     with (the chosen_end and rejected_end columns of built-in pairs; the tokenizer's EOS for a user's pairs): a dict of
-    (N, L) tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask."""
+    (N, L) tensors prompt_ids, prompt_mask, chosen_ids, chosen_mask, rejected_ids, rejected_mask. kto.py's unpaired
+    examples pass keys=("completion",): completion_ids, completion_mask."""
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, pairs["prompt"], device)
     data = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
-    for key in ("chosen", "rejected"):
+    for key in keys:
         ends = pairs.get(f"{key}_end") or [tokenizer.eos_token_id] * len(pairs[key])
         ids = [tokenizer(text, add_special_tokens=False).input_ids + [end] for text, end in zip(pairs[key], ends)]
         width = max(len(i) for i in ids)

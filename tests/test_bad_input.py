@@ -17,17 +17,22 @@ import dpo
 import dr_grpo
 import grpo
 import gspo
+import ipo
+import kto
 import maxrl
 import opd
+import orpo
 import ppo
 import reinforce_pp
 import rloo
 import sapo
 import sft
+import simpo
 import tasks
 from plumbing import checks, hub, models
 
 RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo, cispo, reinforce_pp, sapo, maxrl]  # opd.py needs --teacher: below
+PREFERENCE = [dpo, ipo, simpo, orpo, kto]
 NAN, INF = float("nan"), float("inf")
 
 
@@ -150,14 +155,14 @@ def test_sft_refuses_flags_out_of_range(flag, value, allowed):
     refused(sft, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
 
 
-@pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo, sft], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, *PREFERENCE, sft], ids=lambda m: m.__name__)
 def test_the_defaults_pass_and_the_output_folder_is_created(module, tmp_path):
     out = tmp_path / "a" / "b"
     module.check_args(module.Args(output_dir=str(out), **({} if module is sft else {"cache_dir": str(tmp_path / "c")})))
     assert out.is_dir()
 
 
-@pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo, sft], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, *PREFERENCE, sft], ids=lambda m: m.__name__)
 def test_an_output_folder_that_cannot_be_created_is_refused(module, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder is needed")
@@ -227,14 +232,14 @@ def no_model_may_load(monkeypatch):
 
 
 @pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("header.csv", "prompt,answer\n")])
-@pytest.mark.parametrize("script", ["grpo.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "dpo.py", "kto.py"])
 def test_a_data_file_without_rows_is_one_line_naming_the_flag(tmp_path, monkeypatch, model_dir, script, name, content):
     data = tmp_path / name
     data.write_text(content)
     no_model_may_load(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, script, "--model-name-or-path", model_dir, "--dataset", str(data), "--output-dir", str(tmp_path))
-    columns = "prompt, chosen, rejected" if script == "dpo.py" else "prompt, answer"
+    columns = {"dpo.py": "prompt, chosen, rejected", "kto.py": "prompt, completion, label"}.get(script, "prompt, answer")
     assert str(exit_info.value.code) == f"--dataset {str(data)!r}: has no rows; it needs rows with {columns}"
 
 
@@ -343,7 +348,7 @@ def test_sft_refuses_a_batch_larger_than_its_training_part(tmp_path):
     assert str(exit_info.value.code) == "--batch-size 100000: at most the 8500 training problems"
 
 
-@pytest.mark.parametrize("module", [*RL_SCRIPTS, dpo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, *PREFERENCE], ids=lambda m: m.__name__)
 def test_the_built_in_model_is_refused_on_a_task_it_was_not_warmed_up_on(module):
     refused(
         module,

@@ -112,16 +112,19 @@ def test_generation_stops_at_either_eos(chat_model_dir):
 
 
 @pytest.mark.parametrize(
-    "script", ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
+    "script",
+    ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
+    + ["ipo.py", "simpo.py", "orpo.py", "kto.py"],
 )
 def test_every_script_trains_the_chat_model_on_a_data_file(chat_model_dir, data_file, tmp_path, monkeypatch, script):
     """Two steps of each script on the chat model, loaded by path, with the user's data file (DPO and the reward model:
     pairs of the user's plain prompts, which the script renders with the chat template as the policy reads them,
     offline): the prompts it was fed carry the chat template."""
     flags = ["--model-name-or-path", chat_model_dir, "--output-dir", str(tmp_path), "--max-new-tokens", "6"]
-    if script in ("dpo.py", "reward_model.py"):  # pairs of the data file's plain prompts, with their answers, offline
+    if script in ("dpo.py", "reward_model.py", "ipo.py", "simpo.py", "orpo.py", "kto.py"):  # the file's prompts, offline
         plain = tasks.make_task("gsm8k", data_file, num_eval=4).train
         pairs = [{**row, "chosen": row["answer"], "rejected": "0"} for row in plain.to_list()]
+        pairs = [{**p, "completion": p["answer"] if i % 2 else "0", "label": i % 2} for i, p in enumerate(pairs)]  # kto.py
         (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(pair) for pair in pairs))
         flags += ["--dataset", str(tmp_path / "pairs.jsonl"), "--task", "gsm8k", "--batch-size", "4"]
         flags += ["--num-eval", "4", "--total-steps", "2", "--eval-every", "2", "--device", "cpu"]

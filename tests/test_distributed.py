@@ -20,6 +20,8 @@ from plumbing import checks, models, run_state
 
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
 SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py", "grpo_tools.py", "maxrl.py"]
+PREFERENCE = ("dpo.py", "ipo.py", "simpo.py", "orpo.py", "kto.py")  # pairs (kto.py: labelled examples) from --dataset
+SCRIPTS += ["ipo.py", "simpo.py", "orpo.py", "kto.py"]
 SHARDED = ["grpo_tools.py", "ppo.py"]  # grpo_tools.py: grpo.py's update, and conversations of several turns
 LORA = "grpo.py --lora-rank 4"  # data parallel with an adapter: only the adapter's gradients are averaged
 
@@ -36,7 +38,7 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str 
         model_dir, more = tool[1], [*tool[2:], "--max-new-tokens", "24"]
     shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", str(steps), "--save-every", "1"]
     shared += ["--eval-every", "2"] + (more if script == "grpo_tools.py" else ["--max-new-tokens", "4"])
-    if script == "dpo.py":
+    if script in PREFERENCE:
         return shared + ["--dataset", pairs, "--batch-size", "4", "--learning-rate", "1e-4"]  # a step larger than 1e-5
     if script == "reward_model.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--num-eval", "2", "--learning-rate", "1e-3"]
@@ -54,13 +56,14 @@ def runs(model_dir, teacher_dir, tool_run_flags, tmp_path_factory):
     same rollouts, and sft.py: all in one torchrun. Returns the folder with ddp/, fsdp/, rollouts/ and sft/."""
     root = tmp_path_factory.mktemp("distributed")
     pairs = root / "pairs.jsonl"
-    pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(8)))
+    row = lambda a: {"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22", "completion": "1" * a, "label": a % 2}
+    pairs.write_text("\n".join(json.dumps(row(a)) for a in range(8)))  # kto.py reads completion and label
     jobs = []
     for command in [*SCRIPTS, LORA]:
         script, more, name = script_and_name(command)
         argv = flags(script, model_dir, str(pairs), teacher=teacher_dir, tool=tool_run_flags) + more
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
-        jobs[-1]["rollouts"] = "" if script in ("dpo.py", "reward_model.py") else str(root / "rollouts" / name)
+        jobs[-1]["rollouts"] = "" if script in (*PREFERENCE, "reward_model.py") else str(root / "rollouts" / name)
         if command in SHARDED:
             fsdp = argv + ["--fsdp", "--output-dir", str(root / "fsdp" / name)]
             jobs.append({"script": script, "argv": fsdp, "rollouts": jobs[-1]["rollouts"]})
@@ -134,7 +137,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
     script, more, name = script_and_name(command)
     monkeypatch.setattr(tasks.Task, "reward", text_reward)
     monkeypatch.setattr(run_state.Checkpoint, "save", keep_every_checkpoint())
-    if script not in ("dpo.py", "reward_model.py"):
+    if script not in (*PREFERENCE, "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
     argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir, tool=tool_run_flags) + more
@@ -149,6 +152,8 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
     if script == "grpo_tools.py":  # conversations with calls: one rank's may take more turns than the other's
         assert max(r.get("rollout/tool_calls", 0) for r in ranks) > 0
     keys = {"dpo.py": ("eval/rewards_margins", "loss/dpo"), "reward_model.py": ("eval/pairwise_accuracy", "loss/rm")}
+    keys.update({s: ("eval/rewards_margins", f"loss/{s[:-3]}") for s in ("ipo.py", "simpo.py", "orpo.py")})
+    keys["kto.py"] = ("eval/rewards_desirable", "kl/z0", "loss/kto")  # z0: over both ranks' mismatched pairs
     for key in keys.get(script, ("eval/accuracy", "loss/policy")):  # pooled over ranks
         # float32 means of at most 64 values of size below 10, taken in another order (64 * 10 * u = 4e-5 at worst; the
         # weights they are computed with differ by rounding only): measured below 1e-7

@@ -32,7 +32,9 @@ def interrupt_after(step):
 
 
 @pytest.mark.parametrize(
-    "command", ["grpo.py", "dapo.py", "ppo.py --lora-rank 4", "dpo.py", "reward_model.py", "opd.py", "grpo_tools.py"]
+    "command",
+    ["grpo.py", "dapo.py", "ppo.py --lora-rank 4", "dpo.py", "reward_model.py", "opd.py", "grpo_tools.py", "kto.py"]
+    + ["ipo.py", "simpo.py", "orpo.py"],
 )
 def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tool_run_flags, tmp_path, monkeypatch, command):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
@@ -46,9 +48,10 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4", *lora_flags]
     if script == "grpo_tools.py":
         flags = [*tool_run_flags, "--save-every", "5"]
-    if script in ("dpo.py", "reward_model.py"):
+    if script in ("dpo.py", "reward_model.py", "kto.py", "ipo.py", "simpo.py", "orpo.py"):
         pairs = tmp_path / "pairs.jsonl"
-        pairs.write_text("\n".join(json.dumps({"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22"}) for a in range(6)))
+        row = lambda a: {"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22", "completion": "1" * a, "label": a % 2}
+        pairs.write_text("\n".join(json.dumps(row(a)) for a in range(6)))  # kto.py reads completion and label
         flags += ["--dataset", str(pairs), "--num-eval", "2", "--batch-size", "4", "--total-steps", "3", "--eval-every", "2"]
         flags += ["--device", "cpu"]
     else:
