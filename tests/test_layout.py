@@ -130,7 +130,9 @@ def test_the_readme_results_are_those_of_the_generated_tables():
         with open(os.path.join(ROOT, path)) as f:
             generated.update({row["algorithm"]: row for row in markdown_rows(f.read()) if "end accuracy" in row})
     quoted = {
-        re.match(r"`(\w+)\.py`", row["script"]).group(1): row for row in markdown_rows(readme()) if "minutes" in " ".join(row)
+        re.match(r"`(\w+)\.py`", row["script"]).group(1): row
+        for row in markdown_rows(readme())
+        if "minutes, whole command: mean (min-max)" in row
     }
     assert quoted.keys() == generated.keys()
     for name, row in quoted.items():
@@ -138,3 +140,16 @@ def test_the_readme_results_are_those_of_the_generated_tables():
         assert row["held-out accuracy at the end"] == f"{100 * float(low):.1f}-{100 * float(high):.1f}%", name
         assert row["minutes, whole command: mean (min-max)"] == generated[name]["minutes (command)"], name
         assert row["responses generated"].split(" (")[0] == generated[name]["responses generated"], name
+
+
+def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
+    """The README's MaxRL-against-GRPO table quotes docs/maxrl/<task>/results.md: the end evaluation's greedy accuracy,
+    pass@1 and pass@8, cell for cell, for both scripts on both tasks."""
+    quoted = [row for row in markdown_rows(readme()) if "pass@8" in row and "task" in row]
+    assert len(quoted) == 4
+    for row in quoted:
+        with open(os.path.join(ROOT, "docs", "maxrl", row["task"], "results.md")) as f:
+            generated = [r for r in markdown_rows(f.read()) if r.get("evaluation") == "end"]
+        name = re.match(r"`(\w+)\.py`", row["script"]).group(1)
+        (end,) = [r for r in generated if r["algorithm"] == name]
+        assert [row["greedy accuracy"], row["pass@1"], row["pass@8"]] == [end["greedy accuracy"], end["pass@1"], end["pass@8"]]
