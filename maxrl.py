@@ -11,6 +11,8 @@ advantage A_i = (R_i - mean(R)) / mean(R): GRPO's with the mean in place of the 
 has nothing to average: its advantage is 0. That leaves the subtracted term out of the all-wrong groups, where its mean
 is -(1 - p)^(G-1) grad p, so the centred estimator's expectation is grad J_G - (1 - p)^(G-1) grad p = grad J_(G-1):
 the truncation of order G - 1, still a harmonic mix of pass@1 ... pass@(G-1) (tests/test_maxrl.py enumerates it).
+This is a diff of grpo.py, the closer sibling: the paper keeps GRPO's group-mean baseline and clipped token loss and
+changes the normaliser alone; rloo.py's leave-one-out baseline and KL in the reward would be two more changes.
 
     python maxrl.py
 

@@ -32,7 +32,7 @@ PRODUCT = sorted(  # every Python file of the project but the tests (and hidden 
         ("cispo.py", 60),
         ("reinforce_pp.py", 50),
         ("sapo.py", 40),
-        ("maxrl.py", 42),
+        ("maxrl.py", 44),
         ("opd.py", 93),
         ("grpo_tools.py", 205),
     ],
