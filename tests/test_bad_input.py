@@ -377,6 +377,10 @@ def test_a_pretrained_model_gets_a_learning_rate_that_does_not_wreck_it(tmp_path
     for module in RL_SCRIPTS:
         assert module.Args().learning_rate == 1e-4 and module.Args(model_name_or_path=str(tmp_path)).learning_rate == 1e-6
         assert module.Args(model_name_or_path=str(tmp_path), learning_rate=3e-5).learning_rate == 3e-5  # as given
+        # CISPO and SAPO keep every token's gradient: on the scratchpad task's long answers the built-in model gets half
+        expected = 5e-5 if module in (cispo, sapo) else 1e-4
+        assert module.Args(task="scratchpad").learning_rate == expected, module.__name__
+        assert module.Args(task="scratchpad", model_name_or_path=str(tmp_path)).learning_rate == 1e-6
     assert ppo.Args().critic_learning_rate == 3e-4 and ppo.Args(model_name_or_path=str(tmp_path)).critic_learning_rate == 1e-5
     import reward_model
 
