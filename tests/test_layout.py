@@ -153,3 +153,17 @@ def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
         name = re.match(r"`(\w+)\.py`", row["script"]).group(1)
         (end,) = [r for r in generated if r["algorithm"] == name]
         assert [row["greedy accuracy"], row["pass@1"], row["pass@8"]] == [end["greedy accuracy"], end["pass@1"], end["pass@8"]]
+
+
+def test_the_readme_preference_table_is_that_of_the_generated_table():
+    """The README's preference-family table quotes docs/preference/addition/results.md: each script's end accuracy
+    (min-max over seeds) and minutes of the whole command, and it covers every script the table holds."""
+    with open(os.path.join(ROOT, "docs", "preference", "addition", "results.md")) as f:
+        generated = {row["algorithm"]: row for row in markdown_rows(f.read()) if "end accuracy" in row}
+    minutes = "minutes, whole command, one thread: mean (min-max)"
+    quoted = {re.match(r"`(\w+)\.py`", row["script"]).group(1): row for row in markdown_rows(readme()) if minutes in row}
+    assert quoted.keys() == generated.keys() == {"dpo", "ipo", "simpo", "orpo", "kto"}
+    for name, row in quoted.items():
+        low, high = re.search(r"\((\d\.\d+)-(\d\.\d+)\)", generated[name]["end accuracy"]).groups()
+        assert row["held-out accuracy at the end"] == f"{100 * float(low):.1f}-{100 * float(high):.1f}%", name
+        assert row[minutes] == generated[name]["minutes (command)"], name
