@@ -307,7 +307,7 @@ def plot_learning(runs: dict[str, list[tuple[int, float, float]]], path: str) ->
 
 def every_script(args: Args) -> list[str]:
     pairs = os.path.join(args.runs_dir, "pairs.jsonl")
-    write_pairs(args.model_dir, pairs)
+    write_pairs(pairs)
     lines = ["| script | flags beyond the model and `" + " ".join(TWO_STEPS) + "` | seconds per step | whole command (s) "]
     lines[0] += "| peak resident memory (GiB) |"
     lines.append("| --- | --- | --- | --- | --- |")
@@ -330,27 +330,19 @@ def every_script(args: Args) -> list[str]:
     return lines
 
 
-def write_pairs(model_dir: str, path: str) -> None:
-    """400 preference pairs on sums prompts rendered with the model's chat template: the correct one-line sum chosen over
-    one off by 1 or 10, with the answer column, so that dpo.py also answers the held-out prompts."""
+def write_pairs(path: str) -> None:
+    """400 preference pairs on sums prompts, written as a user writes them: plain questions, which dpo.py and
+    reward_model.py render with the model's chat template and the sums task's instruction as the system message. The
+    correct one-line sum is chosen over one off by 1 or 10; the answer column lets dpo.py answer the held-out prompts."""
     import random
 
-    from transformers import AutoTokenizer
-
-    import tasks
-
-    tokenizer, rng = AutoTokenizer.from_pretrained(model_dir), random.Random(0)
+    rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(400):
             a, b = rng.randint(10, 99), rng.randint(10, 99)
-            turns = [
-                {"role": "system", "content": tasks.INSTRUCTIONS["sums"]},
-                {"role": "user", "content": f"What is {a} + {b}?"},
-            ]
-            prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
             wrong = a + b + rng.choice([-10, -1, 1, 10])
             row = {
-                "prompt": prompt,
+                "prompt": f"What is {a} + {b}?",
                 "chosen": f"{a} + {b} = {a + b}",
                 "rejected": f"{a} + {b} = {wrong}",
                 "answer": str(a + b),

@@ -270,3 +270,24 @@ def test_a_users_preference_prompts_are_rendered_like_the_rl_scripts_prompts(cha
         run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "twice"))
     line = str(exit_info.value.code)
     assert line.startswith(f"--dataset {str(pairs)!r}: a prompt already holds special tokens") and "\n" not in line
+
+
+def test_the_real_model_benchmark_writes_plain_prompts_that_dpo_renders(chat_model_dir, tmp_path):
+    """benchmark_real_model.write_pairs writes pairs as a user writes them, plain questions: dpo.py (and reward_model.py)
+    accept them and render each with the chat template and the sums task's instruction. Pairs rendered by the writer
+    would be refused (a prompt holding special tokens) and the benchmark would stop there."""
+    import transformers
+
+    import benchmark_real_model
+    import dpo
+    import preference_pairs
+
+    path = str(tmp_path / "pairs.jsonl")
+    benchmark_real_model.write_pairs(path)
+    pairs = preference_pairs.load_pairs(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
+    args = dpo.Args(task="sums", dataset=path, model_name_or_path=chat_model_dir, output_dir=str(tmp_path / "run"))
+    rendered = preference_pairs.render_prompts(pairs, tokenizer, args).train
+    first = [{"role": "system", "content": tasks.INSTRUCTIONS["sums"]}, {"role": "user", "content": pairs["prompt"][0]}]
+    assert len(rendered) == 400 and pairs["prompt"][0].startswith("What is ")
+    assert rendered["prompt"][0] == tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
