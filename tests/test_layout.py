@@ -122,6 +122,12 @@ def markdown_rows(text: str) -> list[dict]:
     return rows
 
 
+def end_accuracy_range(generated_row: dict) -> str:
+    """A generated table's "end accuracy" cell, "mean ± std (low-high)", as the README quotes it: "low-high%"."""
+    low, high = re.search(r"\((\d\.\d+)-(\d\.\d+)\)", generated_row["end accuracy"]).groups()
+    return f"{100 * float(low):.1f}-{100 * float(high):.1f}%"
+
+
 def test_the_readme_results_are_those_of_the_generated_tables():
     """Each row of the README's results table quotes benchmark.py's generated tables: the end accuracy's min-max over the
     seeds, the minutes of the whole command and the responses generated; and it covers every script they hold."""
@@ -136,8 +142,7 @@ def test_the_readme_results_are_those_of_the_generated_tables():
     }
     assert quoted.keys() == generated.keys()
     for name, row in quoted.items():
-        low, high = re.search(r"\((\d\.\d+)-(\d\.\d+)\)", generated[name]["end accuracy"]).groups()
-        assert row["held-out accuracy at the end"] == f"{100 * float(low):.1f}-{100 * float(high):.1f}%", name
+        assert row["held-out accuracy at the end"] == end_accuracy_range(generated[name]), name
         assert row["minutes, whole command: mean (min-max)"] == generated[name]["minutes (command)"], name
         assert row["responses generated"].split(" (")[0] == generated[name]["responses generated"], name
 
@@ -164,6 +169,5 @@ def test_the_readme_preference_table_is_that_of_the_generated_table():
     quoted = {re.match(r"`(\w+)\.py`", row["script"]).group(1): row for row in markdown_rows(readme()) if minutes in row}
     assert quoted.keys() == generated.keys() == {"dpo", "ipo", "simpo", "orpo", "kto"}
     for name, row in quoted.items():
-        low, high = re.search(r"\((\d\.\d+)-(\d\.\d+)\)", generated[name]["end accuracy"]).groups()
-        assert row["held-out accuracy at the end"] == f"{100 * float(low):.1f}-{100 * float(high):.1f}%", name
+        assert row["held-out accuracy at the end"] == end_accuracy_range(generated[name]), name
         assert row[minutes] == generated[name]["minutes (command)"], name
