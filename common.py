@@ -133,11 +133,29 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale",
 
 
 def transforms_logits(model) -> bool:
-    """Whether the model's forward changes its logits after the output layer: a field of LOGIT_TRANSFORMS is set, or the
-    check at loading (models.check_output_layer) found the chunked output layer to differ from the model's forward."""
+    """Whether the model's forward changes its logits after the output layer: a field of LOGIT_TRANSFORMS is set, or
+    (checked once per model, at its first log-probs) the chunked output layer of completion_logprobs gives other
+    log-probs than the model's own forward. Such a model's log-probs come from its own forward: sampling and scoring agree."""
     configs = (model.config, model.config.get_text_config())
-    fields = any(getattr(config, name, None) for config in configs for name in LOGIT_TRANSFORMS)
-    return fields or getattr(model, "logits_transformed", False)
+    if any(getattr(config, name, None) for config in configs for name in LOGIT_TRANSFORMS):
+        return True
+    if not hasattr(model, "logits_transformed"):
+        model.logits_transformed = False  # while the chunked output layer is checked against the model's forward
+        model.logits_transformed = not chunked_output_layer_agrees(model)
+    return model.logits_transformed
+
+
+@torch.no_grad()
+def chunked_output_layer_agrees(model) -> bool:
+    """On 8 tokens: the log-probs of completion_logprobs' chunked output layer against those of the model's own logits."""
+    head = model.get_output_embeddings().weight  # (V, H)
+    ids = torch.arange(1, 9, device=head.device)[None] % head.shape[0]  # (1, 8)
+    mask = torch.ones_like(ids)
+    chunked, _ = completion_logprobs(model, ids, mask, 4, 1.0)  # (1, 4)
+    with autocast(ids.device):
+        logits = model(ids, attention_mask=mask, use_cache=False).logits[:, -5:-1].float()  # (1, 4, V)
+    own = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    return torch.allclose(chunked, own, atol=1e-2)  # bf16 rounding on a GPU stays far below a transform's effect
 
 
 def completion_logprobs(model, input_ids, attention_mask, completion_len: int, temperature: float, entropy_grad=False):

@@ -121,6 +121,7 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
+    tasks.check_task_flag(args)
     checks.model_task_and_device(args)
     checks.distributed_flags(args, "batch_size")  # under torchrun each process takes its share of every batch
     for flag in ("beta", "learning_rate", "max_grad_norm"):
@@ -249,7 +250,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, generator)  # --resume: restores the run
-    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    # with --resume: appends after that step; under torchrun, pools every row over the processes
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step, common.pool_metrics)
     if args.track:  # every logged row to trackio too, with the flags as the run's config
         logger.track(vars(args))
     eval_metrics = logger.last_eval or evaluate()

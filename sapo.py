@@ -139,6 +139,7 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Fail fast with the flag's name, before any expensive work."""
+    tasks.check_task_flag(args)
     checks.rl_flags(args)
     checks.flag(args, "group_size", "needs at least 2 responses per prompt to compare", lambda v: v >= 2)
     for flag in ("tau_pos", "tau_neg"):  # SAPO
@@ -240,7 +241,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
     checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step)  # with --resume: appends after that step
+    # with --resume: appends after that step; under torchrun, pools every row over the processes
+    logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step, common.pool_metrics)
     if args.track:  # every logged row to trackio too, with the flags as the run's config
         logger.track(vars(args))
     eval_metrics = logger.last_eval or common.evaluate(

@@ -5,9 +5,9 @@ training split, the loss taken on the answer tokens only. It is stopped early on
 of a check set correctly, which leaves room for RL to show. The check set is split off the training split (by the
 unordered pair of operands, like the held-out split) and never trained on here, so that its accuracy estimates the
 held-out accuracy; it is checked every few steps, so that where the warm-up stops does not hinge on the small
-floating-point differences between two machines. The RL scripts call `warm_up` the first time they need the built-in
-model and cache the result (with warm_up.json: the steps, the check and held-out accuracy, the seconds it took); you can
-also run it yourself:
+floating-point differences between two machines. The RL scripts run this file (plumbing/models.py's warm_up_command) the
+first time they need the built-in model and cache the result (with warm_up.json: the steps, the check and held-out
+accuracy, the seconds it took); you can also run it yourself:
 
     python sft.py --output-dir runs/sft
     torchrun --standalone --nproc-per-node 2 sft.py --output-dir runs/sft   # data parallel: each process takes half a batch
@@ -35,8 +35,9 @@ class Args:
     output_dir: str = "runs/sft"
     """where the model and tokenizer are saved"""
     task: str = "addition"
-    """the built-in task to warm up on: addition, scratchpad or multiplication (`warm_up_args` holds each one's settings;
-    on multiplication the held-out accuracy printed at the end is that of answers without a tool)"""
+    """the built-in task to warm up on: addition, scratchpad or multiplication (the flags of each built-in model's
+    warm-up are plumbing/models.py's WARM_UP_FLAGS; on multiplication the held-out accuracy printed at the end is that of
+    answers without a tool)"""
     seed: int = 0
     """seed of the warm-up (fixed, so that every RL run starts from the same policy)"""
     device: str = "auto"
@@ -104,24 +105,6 @@ def build_tiny_model(tokenizer, max_positions: int = 64):
         bos_token_id=None,
     )
     return LlamaForCausalLM(config)
-
-
-# The version of the warm-up recipe, part of the cached model's folder name (see models.builtin_model_dir) with the
-# settings of warm_up_args: bump it when a change to this file, to a built-in task's data (tasks.py) or to the sampling
-# and evaluation it uses (common.py) changes the model a warm-up trains, so that every cache trains a new one.
-WARM_UP_VERSION = 1
-MULTIPLICATION_STEPS = 600  # the multiplication warm-up's steps: enough to learn the call format and to copy an answer
-
-
-def warm_up_args(task: str) -> Args:
-    """The warm-up of each built-in task: addition stops at about half right. The scratchpad task's answers are 21-31
-    tokens long, so one step of the warm-up moves its accuracy less; it stops at about a third right, leaving room for
-    RL, and its model needs positions for a prompt of 8 tokens and a response of up to 64."""
-    if task == "scratchpad":
-        return Args(task=task, target_accuracy=0.3, tolerance=0.04, approach_accuracy=0.15, max_steps=4000, max_positions=128)
-    if task == "multiplication":  # a fixed number of steps: only a quarter of the solutions call the tool (see tasks.py),
-        return Args(task=task, max_steps=MULTIPLICATION_STEPS, check_every=MULTIPLICATION_STEPS, target_accuracy=1.0)
-    return Args(task=task)
 
 
 def check_args(args: Args) -> None:

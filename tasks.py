@@ -5,7 +5,6 @@ chat template that turns a prompt into what a chat model reads.
 Your own task is a function that returns a Task, registered in TASKS (see docs/your-model-and-data.md)."""
 
 import dataclasses
-import json
 import os
 import random
 import re
@@ -228,8 +227,19 @@ INSTRUCTIONS = {
 }
 
 
+def check_task_flag(args) -> None:
+    """--task names a task of TASKS, and with the built-in model (--model-name-or-path builtin) one it was warmed up on:
+    refused in one line before anything expensive."""
+    if args.task not in TASKS:
+        raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(TASKS)}")
+    if args.model_name_or_path == "builtin" and args.task not in BUILTIN_TASKS:
+        raise SystemExit(
+            f"--task {args.task}: the built-in model knows only {', '.join(BUILTIN_TASKS)}; pass --model-name-or-path"
+        )
+
+
 def make_task(name: str, dataset: str = "", num_eval: int = 500) -> Task:
-    """The task called `name` (checked by plumbing.checks before anything expensive). With `dataset` (--dataset), a
+    """The task called `name` (checked by check_task_flag before anything expensive). With `dataset` (--dataset), a
     user's prompt / answer rows replace its data and are scored by its verifier; `num_eval` of them (at most half) are
     held out for evaluation, split by prompt, so that no prompt is both trained on and evaluated."""
     if not dataset:
@@ -292,19 +302,6 @@ def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):
             f"{flag} {path!r}: missing column(s) {', '.join(sorted(missing))} (it has {', '.join(ds.column_names)})"
         )
     return ds
-
-
-def has_chat_template(path: str) -> bool | None:
-    """Whether the tokenizer saved in the folder `path` has a chat template (None: not a folder, so unknown yet)."""
-    if not os.path.isdir(path):
-        return None
-    if os.path.isfile(os.path.join(path, "chat_template.jinja")) or os.path.isfile(os.path.join(path, "chat_template.json")):
-        return True
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            return bool(json.load(f).get("chat_template"))
-    except (OSError, ValueError):
-        return False
 
 
 def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "", tools: list | None = None) -> Task:

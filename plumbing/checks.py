@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 
-import tasks
 from plumbing import dist, models
 
 
@@ -30,13 +29,7 @@ def writable_dir(flag_name: str, path: str) -> None:
 
 
 def model_task_and_device(args) -> None:
-    """The shared block of flags every script has: --task, --model-name-or-path, --device."""
-    if args.task not in tasks.TASKS:
-        raise SystemExit(f"--task {args.task!r}: unknown task; allowed values are {', '.join(tasks.TASKS)}")
-    if args.model_name_or_path == "builtin" and args.task not in tasks.BUILTIN_TASKS:
-        raise SystemExit(
-            f"--task {args.task}: the built-in model knows only {', '.join(tasks.BUILTIN_TASKS)}; pass --model-name-or-path"
-        )
+    """The shared block of flags every script has: --model-name-or-path and --device (--task: tasks.check_task_flag)."""
     models.check_model_path(args.model_name_or_path)
     device(args)
     if hasattr(args, "lora_rank"):
@@ -105,7 +98,7 @@ def data_flags(args) -> None:
     if args.chat_template not in ("auto", "on", "none"):
         raise SystemExit(f"--chat-template {args.chat_template!r}: allowed values are auto, on, none")
     path = args.model_name_or_path
-    if args.chat_template == "on" and (path == "builtin" or tasks.has_chat_template(path) is False):
+    if args.chat_template == "on" and (path == "builtin" or models.has_chat_template(path) is False):
         raise SystemExit(f"--chat-template on: the tokenizer of {path!r} has no chat template (use auto or none)")
 
 

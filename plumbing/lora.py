@@ -92,7 +92,6 @@ class WithoutAdapter(torch.nn.Module):
         super().__init__()
         self.model = model
         self.config = model.config
-        self.logits_transformed = getattr(model, "logits_transformed", False)  # see models.check_output_layer
 
     def forward(self, *args, **kwargs):
         with adapter_disabled(self.model):

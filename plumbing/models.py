@@ -2,13 +2,15 @@
 way through AutoModelForCausalLM / AutoTokenizer; a learned reward model for --reward-model; gradient checkpointing.
 Every failure is one line that names the flag (or the cache folder) and the likely fix."""
 
-import dataclasses
 import functools
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
+import subprocess
+import sys
 
 import torch
 
@@ -21,16 +23,37 @@ def cache_root(cache_dir: str = "") -> str:
     return cache_dir or os.environ.get("TINY_RLHF_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tiny-rlhf"))
 
 
+# The built-in model is sft.py's tiny model after a supervised warm-up on a built-in task: the command
+# `python sft.py --task TASK FLAGS`, run once and cached. The cached folder's name hashes the task, its FLAGS and
+# WARM_UP_VERSION: bump the version when a change to sft.py (its defaults included), to a built-in task's data
+# (tasks.py) or to the sampling and evaluation it uses (common.py) changes the model a warm-up trains, so that every
+# cache trains a new one. Editing anything else (a comment, a script) reuses the cached model.
+WARM_UP_VERSION = 1
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+WARM_UP_FLAGS = {
+    "addition": [],  # sft.py's defaults: stop at about half right
+    # answers of 21-31 tokens move the accuracy less per step: stop at about a third right, leaving room for RL, with
+    # positions for a prompt of 8 tokens and a response of up to 64
+    "scratchpad": ["--target-accuracy", "0.3", "--tolerance", "0.04", "--approach-accuracy", "0.15", "--max-steps", "4000"]
+    + ["--max-positions", "128"],
+    # a fixed number of steps: enough to learn the call format and to copy an answer (a quarter of the solutions call
+    # the tool, see tasks.py)
+    "multiplication": ["--max-steps", "600", "--check-every", "600", "--target-accuracy", "1.0"],
+}
+
+
 @functools.cache  # once per process
 def builtin_model_dir(cache_dir: str, task: str = "addition") -> str:
-    """Where the built-in model warmed up on `task` is cached. The folder name carries a hash of what determines the
-    warm-up: its settings for the task (sft.warm_up_args) and sft.WARM_UP_VERSION, which a change to the code of the
-    warm-up, the task's data, the tokenizer or the model bumps. Editing anything else (a comment, a script) reuses the
-    cached model; a changed recipe trains a new one instead of silently reusing a stale one."""
-    import sft
-
-    recipe = json.dumps({"version": sft.WARM_UP_VERSION, "settings": vars(sft.warm_up_args(task))}, sort_keys=True)
+    """Where the built-in model warmed up on `task` is cached: a folder named by a hash of WARM_UP_VERSION and the
+    warm-up's flags, so that a changed recipe trains a new model instead of silently reusing a stale one."""
+    recipe = json.dumps({"version": WARM_UP_VERSION, "task": task, "flags": WARM_UP_FLAGS[task]})
     return os.path.join(cache_root(cache_dir), f"builtin-{task}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}")
+
+
+def warm_up_command(task: str, output_dir: str) -> list[str]:
+    """The command that trains the built-in model of `task` into `output_dir`: sft.py, run as a program."""
+    sft = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sft.py")
+    return [sys.executable, sft, "--task", task, *WARM_UP_FLAGS[task], "--output-dir", output_dir]
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -69,12 +92,12 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     # under torchrun rank 0 warms up (alone) while the others wait: every rank must take the same decision
     if not dist.true_on_every_rank(os.path.isfile(os.path.join(path, "config.json"))):
         if dist.is_main():
-            import sft
-
-            print(f"Warming up the built-in model once (supervised, cached in {path}) ...")
+            print(f"Warming up the built-in model once (supervised, cached in {path}) ...", flush=True)
             partial = f"{path}.partial-{os.getpid()}"  # this process's own: two runs may warm up at the same time
-            with dist.as_single_process(), torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
-                sft.warm_up(dataclasses.replace(sft.warm_up_args(task), output_dir=partial))
+            # a process of its own (under torchrun: one process, not this job's), whose random state is its own
+            env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+            if subprocess.run(warm_up_command(task, partial), env=env).returncode:
+                raise SystemExit(f"the warm-up of the built-in model failed: {shlex.join(warm_up_command(task, partial))}")
             move_into_place(partial, path)
         dist.wait_for_file(os.path.join(path, "config.json"))
     return path
@@ -108,29 +131,20 @@ def load_model_and_tokenizer(
         raise SystemExit(load_error_message(name, path, e, flag)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
-    model = model.to(device)
-    if auto_class is AutoModelForCausalLM:
-        check_output_layer(model)
-    return model, tokenizer
+    return model.to(device), tokenizer
 
 
-def check_output_layer(model) -> None:
-    """Once, at loading: the chunked output layer of common.completion_logprobs must give the log-probs of the model's own
-    logits, on a short input. A model whose forward transforms its logits in a way that common.LOGIT_TRANSFORMS does not
-    name is marked `logits_transformed`, so that its log-probs come from its own forward; sampling and scoring then agree."""
-    import common
-
-    if model.get_output_embeddings() is None or common.transforms_logits(model):
-        return
-    ids = torch.arange(1, 9, device=model.device)[None] % model.get_output_embeddings().weight.shape[0]  # (1, 8)
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        chunked, _ = common.completion_logprobs(model, ids, mask, 4, 1.0)  # (1, 4)
-        with common.autocast(ids.device):
-            logits = model(ids, attention_mask=mask, use_cache=False).logits[:, -5:-1].float()  # (1, 4, V)
-        own = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
-    if not torch.allclose(chunked, own, atol=1e-2):  # bf16 rounding on a GPU stays far below a transform's effect
-        model.logits_transformed = True
+def has_chat_template(path: str) -> bool | None:
+    """Whether the tokenizer saved in the folder `path` has a chat template (None: not a folder, so unknown yet)."""
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")) or os.path.isfile(os.path.join(path, "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def load_error_message(name: str, path: str, error: Exception, flag: str = "--model-name-or-path") -> str:

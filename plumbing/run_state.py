@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import torch
 
-import common
 from plumbing import dist
 
 
@@ -23,12 +22,13 @@ class MetricsLogger:
     file is not written again, and time/elapsed goes on from the last kept row. `last` is the last kept row and
     `last_eval` its latest evaluation ({} on a fresh run).
 
-    Under torchrun every rank calls `log` with its own metrics; they are pooled over ranks (common.pool_metrics) and
-    rank 0 writes them. A metric may be a tensor of samples (e.g. lengths), logged as their mean.
+    Under torchrun every rank calls `log` with its own metrics; they are pooled over ranks by `pool_metrics` (the
+    scripts pass common.pool_metrics) and rank 0 writes them. A metric may be a tensor of samples (e.g. lengths), logged
+    as their mean.
 
     After `track` (--track) every row also goes to trackio (see `track`)."""
 
-    def __init__(self, output_dir: str, resume_step: int | None = None):
+    def __init__(self, output_dir: str, resume_step: int | None, pool_metrics: Callable[[list[dict]], dict]):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         samples_path = os.path.join(output_dir, "samples.jsonl")
         kept = {path: self._rows_up_to(path, resume_step) for path in (self.path, samples_path)}
@@ -47,7 +47,7 @@ class MetricsLogger:
         self.last_eval = next((e for e in evals[::-1] if e), {})
         self.done_step = -1 if resume_step is None else resume_step
         self.start = time.time() - self.last.get("time/elapsed", 0.0)
-        self.output_dir, self.tracker = output_dir, None
+        self.output_dir, self.tracker, self.pool_metrics = output_dir, None, pool_metrics
 
     def track(self, flags: dict) -> None:
         """--track: from now on every row also goes to trackio, a local experiment tracker (no account; an SQLite file
@@ -83,7 +83,7 @@ class MetricsLogger:
         row = {"step": step, "time/elapsed": round(time.time() - self.start, 3)}
         numbers = {k: v for k, v in metrics.items() if k != "samples"}
         if dist.world_size() > 1:
-            numbers = common.pool_metrics([numbers])  # over every rank's samples
+            numbers = self.pool_metrics([numbers])  # over every rank's samples
         row.update(
             {k: (v.item() if v.numel() == 1 else v.mean().item()) if torch.is_tensor(v) else v for k, v in numbers.items()}
         )

@@ -284,6 +284,7 @@ def test_logprobs_in_chunks_equal_the_whole_pass_with_their_gradient(monkeypatch
     their logits). The output layer never sees more than a chunk of positions, and each chunk runs twice with a
     gradient (recomputed in the backward pass) and once without."""
     model, input_ids, attention_mask, mask = tiny_model(batch=4)
+    assert not common.transforms_logits(model)  # checked once, at the first log-probs: not counted below
     head_positions = []  # positions of each call of the output layer (the model's own forward asks for 1 per row)
     model.get_output_embeddings().register_forward_hook(lambda m, i, out: head_positions.append(out.shape[:-1].numel()))
 
@@ -323,6 +324,7 @@ def test_logprobs_in_chunks_equal_the_whole_pass_with_their_gradient(monkeypatch
 
 def test_gradient_checkpointing_recomputes_the_layers_and_leaves_the_gradient_unchanged():
     model, input_ids, attention_mask, mask = tiny_model(batch=4)
+    assert not common.transforms_logits(model)  # checked once, at the first log-probs: not counted below
     calls = []
     model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
 
@@ -402,21 +404,24 @@ def test_a_softcap_on_the_text_config_of_a_multimodal_config_is_read():
     assert common.transforms_logits(SimpleNamespace(config=config))
 
 
-def test_a_transform_that_no_config_field_names_is_found_at_loading(monkeypatch, tmp_path):
-    """With LOGIT_TRANSFORMS emptied, Falcon-H1's multiplier goes unnamed: the check at loading compares the chunked
-    output layer with the model's forward on a short input, finds them apart, and marks the model."""
+def test_a_transform_that_no_config_field_names_is_found_at_the_first_logprobs(monkeypatch, tmp_path):
+    """With LOGIT_TRANSFORMS emptied, Falcon-H1's multiplier goes unnamed: at the model's first log-probs the chunked
+    output layer is compared with the model's forward on a short input, found apart, and the model marked; its log-probs,
+    those first ones included, are then its own forward's."""
     monkeypatch.setattr(common, "LOGIT_TRANSFORMS", ())
     tiny_model_that_transforms_its_logits("falcon_h1").save_pretrained(tmp_path)
     sft.build_tokenizer().save_pretrained(tmp_path)
     model, _ = models.load_model_and_tokenizer(str(tmp_path), "", torch.device("cpu"))
-    assert model.logits_transformed
+    assert not hasattr(model, "logits_transformed")  # not checked before its first log-probs
     _, input_ids, attention_mask, mask = tiny_model(batch=4)
     with torch.no_grad():
         logprobs, _ = common.completion_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
+    assert model.logits_transformed
     expected = own_forward_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0)
     assert torch.allclose(logprobs, expected, rtol=0, atol=2e-5)  # as in the test above (hidden size 32, T = 1)
     tokenizer = sft.build_tokenizer()
     sft.build_tiny_model(tokenizer).save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
     llama, _ = models.load_model_and_tokenizer(str(tmp_path / "llama"), "", torch.device("cpu"))
-    assert not getattr(llama, "logits_transformed", False)  # the chunked output layer is its forward: kept
+    common.completion_logprobs(llama, input_ids, attention_mask, mask.shape[1], 1.0)
+    assert llama.logits_transformed is False  # checked: the chunked output layer is its forward, kept

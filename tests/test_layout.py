@@ -49,6 +49,34 @@ def test_common_is_the_small_core():
         assert len(f.read().splitlines()) <= 450
 
 
+def imported_project_modules(path: str) -> set[str]:
+    """The project's own top-level modules (a .py file at the root, or plumbing) that the file imports anywhere in it,
+    a function's lazy import included."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return {n for n in names if os.path.isfile(os.path.join(ROOT, f"{n}.py")) or n == "plumbing"}
+
+
+def test_the_import_graph_runs_one_way_scripts_then_common_and_tasks_then_plumbing():
+    """A learner can read a script with common.py and tasks.py beside it and skip plumbing/: plumbing imports nothing of
+    the project above it, and common.py and tasks.py import only plumbing (the built-in model's warm-up is sft.py run
+    as a program, not imported)."""
+    plumbing = [p for p in PRODUCT if os.path.dirname(p) == os.path.join(ROOT, "plumbing")]
+    assert len(plumbing) >= 5
+    for path in plumbing:
+        assert imported_project_modules(path) <= {"plumbing"}, path
+    for name in ("common.py", "tasks.py"):
+        assert imported_project_modules(os.path.join(ROOT, name)) <= {"plumbing"}, name
+
+
 def test_product_code_reads_no_variable_that_only_tests_set():
     """Environment variables are how a test hook would switch on behaviour in product code. The product reads only
     torchrun's, the cache folder's and the Hugging Face hub's (and the proxies it must not probe through)."""

@@ -260,6 +260,7 @@ def test_the_teacher_s_forward_peaks_as_the_formula_says(rows, gpu_autocast, mon
     monkeypatch.setattr(common, "LOGITS_CHUNK", 16 * vocab)  # 16 positions a chunk, as 110 are at Qwen2.5's vocabulary
     config = small_llama(2, vocab_size=vocab, intermediate_size=384)  # I = 6 h, as Qwen2.5's 5.3-5.8 h
     teacher = AutoModelForCausalLM.from_config(config).requires_grad_(False)
+    assert not common.transforms_logits(teacher)  # checked once, at its first log-probs: before the measured pass
     ids = torch.randint(3, vocab, (2 * rows, 64), generator=torch.Generator().manual_seed(0))
     mask = padded_mask(2 * rows, 64)
     peak = allocator_peak(lambda: common.logprobs_no_grad(teacher, ids, mask, 56, 1.0, rows))

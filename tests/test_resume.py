@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from test_smoke import SMALL, rows, run_here
 
+import common
 import tasks
 from plumbing import run_state
 
@@ -146,6 +147,6 @@ def test_a_resume_killed_while_rewriting_the_metrics_loses_no_row(tmp_path, monk
 
     monkeypatch.setattr(json, "dumps", dies_on_the_second_row)
     with pytest.raises(KeyboardInterrupt):
-        run_state.MetricsLogger(str(tmp_path), resume_step=2)
+        run_state.MetricsLogger(str(tmp_path), 2, common.pool_metrics)
     monkeypatch.undo()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows
