@@ -31,9 +31,11 @@ def script_and_name(command: str) -> tuple[str, list[str], str]:
     return script, more, script[:-3] + ("_lora" if more else "")
 
 
-def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str = "", tool: tuple = ()) -> list[str]:
-    """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes.
+def flags(script: str, model_dir: str, data: str, steps: int = 2, teacher: str = "", tool: tuple = ()) -> list[str]:
+    """Two steps of one optimizer step each (one minibatch, one epoch), small batches that split over 2 processes, on
+    the files of the folder `data`: addition problems (4 held out, so that an evaluation costs little) and pairs.
     grpo_tools.py runs on the multiplication task's model, with room for a call, its answer and a last turn."""
+    pairs = os.path.join(data, "pairs.jsonl")
     if script == "grpo_tools.py":  # tool: conftest's tool_run_flags, which name the model
         model_dir, more = tool[1], [*tool[2:], "--max-new-tokens", "24"]
     shared = ["--model-name-or-path", model_dir, "--device", "cpu", "--total-steps", str(steps), "--save-every", "1"]
@@ -43,6 +45,8 @@ def flags(script: str, model_dir: str, pairs: str, steps: int = 2, teacher: str 
     if script == "reward_model.py":
         return shared + ["--dataset", pairs, "--batch-size", "4", "--num-eval", "2", "--learning-rate", "1e-3"]
     shared += ["--learning-rate", "1e-4"]  # the built-in model's rate: a folder gets a pretrained model's 1e-6
+    if script != "grpo_tools.py":  # (its own problems are in `tool`)
+        shared += ["--dataset", os.path.join(data, "problems.jsonl"), "--num-eval", "4"]
     if script == "ppo.py":
         return shared + ["--num-prompts", "8", "--num-minibatches", "1", "--num-epochs", "1"]
     if script == "opd.py":  # with a reference too, so that both frozen models are loaded and prepared
@@ -58,10 +62,12 @@ def runs(model_dir, teacher_dir, tool_run_flags, tmp_path_factory):
     pairs = root / "pairs.jsonl"
     row = lambda a: {"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22", "completion": "1" * a, "label": a % 2}
     pairs.write_text("\n".join(json.dumps(row(a)) for a in range(8)))  # kto.py reads completion and label
+    problem = lambda a: {"prompt": f"{a}+{a % 7 + 11}=", "answer": a + a % 7 + 11}
+    (root / "problems.jsonl").write_text("\n".join(json.dumps(problem(a)) for a in range(10, 74)))
     jobs = []
     for command in [*SCRIPTS, LORA]:
         script, more, name = script_and_name(command)
-        argv = flags(script, model_dir, str(pairs), teacher=teacher_dir, tool=tool_run_flags) + more
+        argv = flags(script, model_dir, str(root), teacher=teacher_dir, tool=tool_run_flags) + more
         jobs.append({"script": script, "argv": argv + ["--output-dir", str(root / "ddp" / name)], "rollouts": ""})
         jobs[-1]["rollouts"] = "" if script in (*PREFERENCE, "reward_model.py") else str(root / "rollouts" / name)
         if command in SHARDED:
@@ -69,7 +75,7 @@ def runs(model_dir, teacher_dir, tool_run_flags, tmp_path_factory):
             jobs.append({"script": script, "argv": fsdp, "rollouts": jobs[-1]["rollouts"]})
     # PPO under FSDP2 (sharded weights, a critic, sharded optimizer state): 2 steps, against 1 step and then --resume
     ppo = lambda steps, out, *more: (
-        flags("ppo.py", model_dir, str(pairs), steps) + ["--fsdp", "--output-dir", str(root / out), *more]
+        flags("ppo.py", model_dir, str(root), steps) + ["--fsdp", "--output-dir", str(root / out), *more]
     )
     for argv in (ppo(2, "whole"), ppo(1, "parts"), ppo(2, "parts", "--resume")):
         jobs.append({"script": "ppo.py", "argv": argv, "rollouts": ""})
@@ -140,7 +146,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
     if script not in (*PREFERENCE, "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))
     one = runs / "one" / name
-    argv = flags(script, model_dir, str(runs / "pairs.jsonl"), teacher=teacher_dir, tool=tool_run_flags) + more
+    argv = flags(script, model_dir, str(runs), teacher=teacher_dir, tool=tool_run_flags) + more
     run_here(monkeypatch, script, *argv, "--output-dir", str(one))
     for step in (1, 2):
         ranks, single = (first_moments(run / f"checkpoint.pt.{step}") for run in (runs / "ddp" / name, one))
