@@ -131,7 +131,7 @@ def test_every_script_trains_the_chat_model_on_a_data_file(chat_model_dir, data_
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing of the task's data is read
     else:
         coin_flip_rewards(monkeypatch, p=0.5)  # DAPO needs groups of mixed scores; the others do not mind
-        flags += ["--task", "gsm8k", "--dataset", data_file, "--num-eval", "4", *SMALL, "--eval-every", "2"]
+        flags += [*SMALL, "--task", "gsm8k", "--dataset", data_file, "--num-eval", "4", "--eval-every", "2"]
     run_here(monkeypatch, script, *flags)
     logged = rows(tmp_path)
     evaluated = "eval/pairwise_accuracy" if script == "reward_model.py" else "eval/accuracy"

@@ -9,6 +9,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -21,7 +22,13 @@ import tasks
 from plumbing import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 64 addition problems as a data file, 4 of them held out: a test run's evaluations cost little (the built-in task
+# evaluates 500). A test that gives --dataset after SMALL trains on its own file instead.
+PROBLEMS = os.path.join(tempfile.mkdtemp(prefix="tiny-rlhf-tests-"), "addition.jsonl")
+with open(PROBLEMS, "w") as f:
+    f.writelines(json.dumps({"prompt": f"{a:02d}+{a % 9 + 11}=", "answer": a + a % 9 + 11}) + "\n" for a in range(64))
 SMALL = ["--total-steps", "2", "--num-prompts", "4", "--group-size", "4", "--eval-every", "1", "--device", "cpu"]
+SMALL += ["--dataset", PROBLEMS, "--num-eval", "4"]
 
 
 def run(script, *flags):
@@ -217,6 +224,7 @@ def test_logged_metrics_do_not_depend_on_the_micro_batch_size(model_dir, tmp_pat
     minibatch's KL, here with a threshold between the second minibatch's token-weighted KL and its last micro-batch's
     (read off a first run), so that a check of the last micro-batch alone would decide differently with micro-batches."""
     flags = ["--model-name-or-path", model_dir, *SMALL, "--total-steps", "1", "--num-prompts", "6", "--num-minibatches", "2"]
+    flags += ["--dataset", ""]  # the built-in task's prompts, on which PPO's threshold below separates the two checks
     if script == "ppo.py":
         calls, pool_metrics = [], common.pool_metrics
         monkeypatch.setattr(common, "pool_metrics", lambda rows, **kw: calls.append(rows) or pool_metrics(rows, **kw))
