@@ -217,6 +217,29 @@ def responses_to_reach(rows, accuracy: float):
 KL_ESTIMATOR = {"grpo": "k3", "rloo": "k1", "ppo": "k1", "dr_grpo": "k3", "dapo": "k3", "gspo": "k3", "reinforce_pp": "k2"}
 
 
+def line_style(algorithm: str) -> dict:
+    """Each script's own colour in every chart, so that 16 curves stay apart: the RL scripts one dark hue each (in the
+    order of ALGORITHMS), the preference family dashed in the first five; a name with its seeds ("cispo (seed 1)") keeps
+    its script's style."""
+    import matplotlib
+
+    name = algorithm.split(" (")[0]
+    rl = [a for a in ALGORITHMS if a not in PREFERENCE]
+    family = [a for a in ALGORITHMS if a in PREFERENCE]
+    index = rl.index(name) if name in rl else family.index(name) if name in family else len(rl)
+    color = "black" if index >= 10 else matplotlib.colormaps["tab20"](2 * index)  # tab20's even entries: 10 dark hues
+    return {"color": color, "linestyle": "--" if name in PREFERENCE else "-"}
+
+
+def place_legend(fig, ax, entries: int) -> None:
+    """The legend inside the axes for a few curves, beside them (outside the plotted area) for many."""
+    if entries <= 8:
+        ax.legend(fontsize=8)
+    else:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        fig.set_size_inches(9.5, 4.6)
+
+
 def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "step", window: int = 10, label=None) -> bool:
     """Mean over seeds with a min-max band, for every algorithm that logs `key`, against `x` ("step", or
     "train/responses": responses generated). Per-step metrics are smoothed (a trailing mean over `window` logged
@@ -237,8 +260,13 @@ def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "
         xs = [statistics.mean(s[i][0] for s in per_seed) for i in range(n)]
         smoothed = [smooth([y for _, y in s[:n]], window) for s in per_seed]
         ys = [[s[i] for s in smoothed] for i in range(n)]
-        ax.plot(xs, [statistics.mean(y) for y in ys], label=label(algorithm) if label else algorithm)
-        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
+        style, name = line_style(algorithm), label(algorithm) if label else algorithm
+        if n > 2 and len(set(xs[1:])) == 1:  # x stands still after the start (responses generated before training only,
+            mean, low, high = statistics.mean(ys[-1]), min(ys[-1]), max(ys[-1])  # the preference family): its end, there
+            ax.errorbar(xs[-1:], [mean], [[mean - low], [high - mean]], fmt="o", capsize=3, label=name, color=style["color"])
+        else:
+            ax.plot(xs, [statistics.mean(y) for y in ys], label=name, **style)
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15, color=style["color"])
         drawn = True
     if drawn:
         if key == "eval/accuracy":
@@ -248,7 +276,7 @@ def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "
         ax.set_xlabel({"step": "step (one rollout and its updates; DPO: one optimizer step)"}.get(x, "responses generated"))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        place_legend(fig, ax, len(ax.get_legend_handles_labels()[1]))
         fig.tight_layout()
         fig.savefig(path, dpi=120)
     elif os.path.exists(path):
@@ -258,7 +286,8 @@ def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "
 
 
 def plot_zero_variance(results: dict, title: str, path: str) -> None:
-    """Two panels: the fraction of groups whose responses are all correct, and all wrong (smoothed per step)."""
+    """Two panels: the fraction of groups whose responses are all correct, and all wrong (smoothed per step); nothing is
+    written when no algorithm samples groups."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,16 +303,25 @@ def plot_zero_variance(results: dict, title: str, path: str) -> None:
             smoothed = [smooth([y for _, y in s[:n]]) for s in per_seed]
             ys = [[s[i] for s in smoothed] for i in range(n)]
             xs = [per_seed[0][i][0] for i in range(n)]
-            ax.plot(xs, [statistics.mean(y) for y in ys], label=algorithm)
-            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.2)
+            style = line_style(algorithm)
+            ax.plot(xs, [statistics.mean(y) for y in ys], label=algorithm, **style)
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], alpha=0.15, color=style["color"])
         ax.set_title(f"groups whose responses are {what}", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of the step's groups")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    entries = len(axes[0].get_legend_handles_labels()[1])
+    if entries:  # (the preference family samples no groups: nothing to draw for it alone)
+        if entries <= 8:
+            axes[0].legend(fontsize=8)
+        else:
+            axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+            fig.set_size_inches(13, 4.6)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    elif os.path.exists(path):
+        os.remove(path)  # a chart of an earlier run that nothing draws now
     plt.close(fig)
 
 
