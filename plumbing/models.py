@@ -97,6 +97,7 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
             # a process of its own (under torchrun: one process, not this job's), whose random state is its own
             env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
             if subprocess.run(warm_up_command(task, partial), env=env).returncode:
+                shutil.rmtree(partial, ignore_errors=True)  # nothing half-trained is left in the cache
                 raise SystemExit(f"the warm-up of the built-in model failed: {shlex.join(warm_up_command(task, partial))}")
             move_into_place(partial, path)
         dist.wait_for_file(os.path.join(path, "config.json"))
