@@ -1,8 +1,20 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the threads of the suite's processes."""
+
+import os
 
 import pytest
+import torch
 
 import sft
+
+
+def pytest_configure(config):
+    """pyproject.toml runs the suite in two processes (pytest-xdist's `-n 2`, a whole file to one process). Each of them,
+    and every program a test starts, computes with one thread: two processes of two threads each on two cores slow each
+    other down many times over. Run alone (`-n 0`), the suite keeps torch's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +29,6 @@ def model_dir(tmp_path_factory):
 def teacher_dir(model_dir, tmp_path_factory):
     """A teacher for opd.py that disagrees with the student (model_dir) from the first step: the same model with every
     weight moved by seeded noise, the same tokenizer."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(tmp_path_factory.mktemp("teacher") / "model")
