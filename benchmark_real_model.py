@@ -153,9 +153,6 @@ def lora_learning(args: Args) -> list[str]:
     }
     with open(f"{out('2e-4')}/log.txt") as f:
         trained = next(line.strip().split(": ", 1)[1] for line in f if line.startswith("--lora-rank"))
-    curves = {"every weight, lr 1e-5": evaluations(full["rows"])}
-    curves.update({f"LoRA rank 16, lr {rate}": evaluations(run["rows"]) for rate, run in sweep.items()})
-    plot_learning(curves, os.path.join(args.docs_dir, "accuracy.png"))
     run = sweep["2e-4"]
     lines = [
         f"`python grpo.py --model-name-or-path MODEL_DIR {' '.join(LORA_LEARN)}` ({trained}): {run['seconds'] / 60:.1f} "
@@ -188,12 +185,22 @@ def additions_learning(args: Args) -> list[str]:
     steps = ", ".join(str(step) for step, _, _ in evaluations(full["rows"]))
     lines = [f"| script | flags beyond the model | held-out accuracy at steps {steps} | minutes | peak memory (GiB) |"]
     lines.append("| --- | --- | --- | --- | --- |")
+    curves = {}  # the chart: every learning run of this page, the LoRA sweep's too
     for script, flags in {"grpo": LEARN, "cispo": LEARN, "reinforce_pp": LEARN, "sapo": LEARN, "opd": opd}.items():
         out = f"{args.runs_dir}/learn" if script == "grpo" else f"{args.runs_dir}/learn-{script}"
         run = run_measured(f"{script}.py", ["--model-name-or-path", args.model_dir, *flags], out, args.fresh)
         curve = " -> ".join(f"{accuracy:.1%}" for _, _, accuracy in evaluations(run["rows"]))
         shown = " ".join(flags).replace(f"{args.runs_dir}/", "")
         lines.append(f"| `{script}.py` | `{shown}` | {curve} | {run['seconds'] / 60:.1f} | {gib(run['peak_bytes'])} |")
+        curves[f"{script}.py" + (", 32 prompts x 1" if script == "opd" else "")] = evaluations(run["rows"])
+    for rate, flags in LORA_RATES.items():
+        run = run_measured(
+            "grpo.py", ["--model-name-or-path", args.model_dir, *flags], f"{args.runs_dir}/learn-lora-{rate}", False
+        )
+        curves[f"grpo.py, LoRA rank 16, lr {rate}"] = evaluations(run["rows"])
+    plot_learning(
+        {k: [(step, accuracy) for step, _, accuracy in v] for k, v in curves.items()}, f"{args.docs_dir}/accuracy.png"
+    )
     return lines
 
 
@@ -284,21 +291,23 @@ def eval_seconds(rows: list[dict]) -> float:
     return sum(gaps) / max(1, len(gaps))
 
 
-def plot_learning(runs: dict[str, list[tuple[int, float, float]]], path: str) -> None:
+def plot_learning(curves: dict[str, list[tuple[int, float]]], path: str) -> None:
+    """Held-out accuracy against the step (every step samples the same 32 responses), one line per run; steps, not
+    minutes, so that runs timed alone and runs timed side by side compare."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, evals in runs.items():
-        ax.plot([e[1] / 60 for e in evals], [e[2] for e in evals], marker="o", label=label)
-        for step, minutes, accuracy in evals:
-            ax.annotate(f"step {step}", (minutes / 60, accuracy), textcoords="offset points", xytext=(4, -12), fontsize=8)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("SmolLM2-135M-Instruct, grpo.py on the sums task (CPU, 2 cores)", fontsize=10)
-    ax.set_xlabel("minutes since the start of training (model loaded)")
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for label, points in curves.items():
+        dashed = "LoRA" in label
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linestyle="--" if dashed else "-", label=label)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_title("SmolLM2-135M-Instruct on the sums task, 32 responses per step (CPU)", fontsize=10)
+    ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (greedy, 200 problems)")
+    ax.set_xticks(sorted({p[0] for points in curves.values() for p in points}))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
