@@ -176,7 +176,7 @@ def lora_learning(args: Args) -> list[str]:
     return lines
 
 
-def additions_learning(args: Args) -> list[str]:
+def other_scripts_learning(args: Args) -> list[str]:
     """CISPO, REINFORCE++, SAPO and OPD with the learning command: cispo, reinforce_pp and sapo exactly as grpo.py's;
     opd with one response to each of 32 prompts (its default shape: no group needed) and the learning run's GRPO model
     as teacher."""
@@ -545,7 +545,7 @@ if __name__ == "__main__":
         "",
         "## CISPO, REINFORCE++, SAPO and on-policy distillation learning",
         "",
-        *additions_learning(args),
+        *other_scripts_learning(args),
         "",
         "## Every script, 2 steps",
         "",
