@@ -157,21 +157,25 @@ def end_accuracy_range(generated_row: dict) -> str:
 
 
 def test_the_readme_results_are_those_of_the_generated_tables():
-    """Each row of the README's results table quotes benchmark.py's generated tables: the end accuracy's min-max over the
-    seeds, the minutes of the whole command and the responses generated; and it covers every script they hold."""
+    """Each row of the README's results table quotes benchmark.py's generated tables of both built-in tasks: the end
+    accuracy's min-max over the seeds on each task, and on addition the minutes of the whole command and the responses
+    generated; and it covers every script they hold."""
     generated = {}
-    with open(os.path.join(ROOT, "docs", "addition", "results.md")) as f:
-        generated.update({row["algorithm"]: row for row in markdown_rows(f.read()) if "end accuracy" in row})
+    for task in ("addition", "scratchpad"):
+        with open(os.path.join(ROOT, "docs", task, "results.md")) as f:
+            generated[task] = {row["algorithm"]: row for row in markdown_rows(f.read()) if "end accuracy" in row}
     quoted = {
         re.match(r"`(\w+)\.py`", row["script"]).group(1): row
         for row in markdown_rows(readme())
-        if "minutes, whole command: mean (min-max)" in row
+        if "addition: minutes, whole command" in row
     }
-    assert quoted.keys() == generated.keys() and len(quoted) == 16  # every script benchmark.py runs
+    assert quoted.keys() == generated["addition"].keys() == generated["scratchpad"].keys()
+    assert len(quoted) == 16  # every script benchmark.py runs
     for name, row in quoted.items():
-        assert row["held-out accuracy at the end"] == end_accuracy_range(generated[name]), name
-        assert row["minutes, whole command: mean (min-max)"] == generated[name]["minutes (command)"], name
-        assert row["responses generated"].split(" (")[0] == generated[name]["responses generated"], name
+        for task in ("addition", "scratchpad"):
+            assert row[f"{task}: accuracy at the end"] == end_accuracy_range(generated[task][name]), (task, name)
+        assert row["addition: minutes, whole command"] == generated["addition"][name]["minutes (command)"], name
+        assert row["addition: responses generated"].split(" (")[0] == generated["addition"][name]["responses generated"]
 
 
 def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
