@@ -193,7 +193,7 @@ def other_scripts_learning(args: Args) -> list[str]:
         shown = " ".join(flags).replace(f"{args.runs_dir}/", "")
         lines.append(f"| `{script}.py` | `{shown}` | {curve} | {run['seconds'] / 60:.1f} | {gib(run['peak_bytes'])} |")
         curves[f"{script}.py" + (", 32 prompts x 1" if script == "opd" else "")] = evaluations(run["rows"])
-    for rate, flags in LORA_RATES.items():
+    for rate, flags in LORA_RATES.items():  # lora_learning's runs, already run (again, with --fresh) above
         run = run_measured(
             "grpo.py", ["--model-name-or-path", args.model_dir, *flags], f"{args.runs_dir}/learn-lora-{rate}", False
         )
