@@ -1,7 +1,7 @@
 """A real pretrained chat model on this machine: SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the CPU.
 
     pip install matplotlib                   # the chart
-    python benchmark_real_model.py           # about four hours on a 2-core CPU, alone
+    python benchmark_real_model.py           # about two and a half hours on a 2-core CPU, alone
     python benchmark_real_model.py --tools   # only grpo_tools.py learning to call the calculator: about a quarter hour
 
 Seven measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
@@ -18,8 +18,10 @@ learning curves (docs/real-model/accuracy.png):
 Complete runs under --runs-dir are reused unless --fresh, so an interrupted benchmark resumes where it stopped.
 """
 
+import importlib.metadata
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -104,6 +106,19 @@ def run_measured(script: str, flags: list[str], out: str, fresh: bool, env: dict
     return measured
 
 
+def cpu_name() -> str:
+    """The CPU's model name and widest vector unit as Linux reports them (/proc/cpuinfo), or the platform's processor
+    string elsewhere: the figures of this benchmark move with both."""
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {key.strip(): value.strip() for key, value in info.items()}
+        flags = info.get("flags", "").split()
+        vectors = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        return f"{info.get('model name', 'an unnamed CPU')} ({vectors})"
+    return platform.processor() or "an unnamed CPU"
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -169,10 +184,16 @@ def lora_learning(args: Args) -> list[str]:
     columns = [by_step(r) for r in [*sweep.values(), full]]
     for step in sorted(by_step(full)):
         lines.append(f"| {step} | " + " | ".join(f"{c[step]:.1%}" if step in c else "-" for c in columns) + " |")
-    lines += ["", "| run | minutes for the whole command | peak resident memory (GiB) |", "| --- | --- | --- |"]
-    for label, r in [*((f"LoRA, lr {rate}", r) for rate, r in sweep.items()), ("every weight", full)]:
-        minutes = f"{r['seconds'] / 60:.1f}" if r["seconds"] else "not alone"
-        lines.append(f"| {label} | {minutes} | {gib(r['peak_bytes']) if r['peak_bytes'] else '-'} |")
+    lines += [
+        "",
+        "| run | minutes for the whole command | s per step (rollout) | each evaluation (s) | peak resident memory (GiB) |",
+    ]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for label, r in [*((f"LoRA, lr {rate}", r) for rate, r in sweep.items()), ("every weight, lr 1e-5", full)]:
+        step = f"{step_seconds(r['rows'])} ({step_seconds(r['rows'], 'time/rollout')})"
+        lines.append(
+            f"| {label} | {r['seconds'] / 60:.1f} | {step} | {eval_seconds(r['rows']):.0f} | {gib(r['peak_bytes'])} |"
+        )
     return lines
 
 
@@ -190,7 +211,7 @@ def other_scripts_learning(args: Args) -> list[str]:
         out = f"{args.runs_dir}/learn" if script == "grpo" else f"{args.runs_dir}/learn-{script}"
         run = run_measured(f"{script}.py", ["--model-name-or-path", args.model_dir, *flags], out, args.fresh)
         curve = " -> ".join(f"{accuracy:.1%}" for _, _, accuracy in evaluations(run["rows"]))
-        shown = " ".join(flags).replace(f"{args.runs_dir}/", "")
+        shown = " ".join(flags)
         lines.append(f"| `{script}.py` | `{shown}` | {curve} | {run['seconds'] / 60:.1f} | {gib(run['peak_bytes'])} |")
         curves[f"{script}.py" + (", 32 prompts x 1" if script == "opd" else "")] = evaluations(run["rows"])
     for rate, flags in LORA_RATES.items():  # lora_learning's runs, already run (again, with --fresh) above
@@ -320,10 +341,10 @@ def every_script(args: Args) -> list[str]:
     lines = ["| script | flags beyond the model and `" + " ".join(TWO_STEPS) + "` | seconds per step | whole command (s) "]
     lines[0] += "| peak resident memory (GiB) |"
     lines.append("| --- | --- | --- | --- | --- |")
-    group = ["--num-prompts", "4", "--group-size", "8"]
+    group = ["--num-prompts", "4", "--group-size", "8", "--num-eval", "16"]  # 16 held out: the two evaluations take seconds
     per_script = {s: group for s in ("grpo", "rloo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce_pp", "sapo")}
     per_script["opd"] = [*group, "--teacher", f"{args.runs_dir}/learn/model"]  # the teacher: the learning run's model
-    per_script["ppo"] = ["--num-prompts", "32"]
+    per_script["ppo"] = ["--num-prompts", "32", "--num-eval", "16"]
     per_script["dpo"] = per_script["reward_model"] = ["--dataset", pairs, "--num-eval", "64", "--batch-size", "32"]
     for script, flags in per_script.items():
         run = run_measured(
@@ -332,7 +353,7 @@ def every_script(args: Args) -> list[str]:
             f"{args.runs_dir}/{script}",
             args.fresh,
         )
-        shown = " ".join(flags).replace(pairs, "pairs.jsonl").replace(f"{args.runs_dir}/", "")
+        shown = " ".join(flags).replace(pairs, "pairs.jsonl")  # the pairs written above; the teacher's path in full
         lines.append(
             f"| `{script}.py` | `{shown}` | {step_seconds(run['rows'])} | {run['seconds']:.0f} | {gib(run['peak_bytes'])} |"
         )
@@ -523,6 +544,8 @@ if __name__ == "__main__":
         lines = [
             "`python benchmark_real_model.py --tools`: SmolLM2-135M-Instruct, CPU, alone.",
             "",
+            f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
+            "",
             "## Calls before training",
             "",
         ]
@@ -534,6 +557,8 @@ if __name__ == "__main__":
         raise SystemExit(0)
     sections = [
         "`python benchmark_real_model.py`: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
+        "",
+        f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
         "",
         "## Learning",
         "",

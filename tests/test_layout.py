@@ -189,3 +189,39 @@ def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
         name = re.match(r"`(\w+)\.py`", row["script"]).group(1)
         (end,) = [r for r in generated if r["algorithm"] == name]
         assert [row["greedy accuracy"], row["pass@1"], row["pass@8"]] == [end["greedy accuracy"], end["pass@1"], end["pass@8"]]
+
+
+def markdown_tables(text: str) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
+    """Every markdown table in `text` as (header cells, rows of cells)."""
+    tables = []
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            if tables and tables[-1][0] is not None:
+                tables.append((None, []))
+            continue
+        cells = tuple(c.strip() for c in line.strip().strip("|").split("|"))
+        if not tables or tables[-1][0] is None:
+            tables[-1:] = [(cells, [])]
+        elif not set("".join(cells)) <= set("-: "):
+            tables[-1][1].append(cells)
+    return [t for t in tables if t[0] is not None]
+
+
+def test_the_real_model_pages_quote_the_generated_tables():
+    """Every table of docs/real-model.md, and each table of docs/fitting-a-gpu.md and docs/results.md headed like one of
+    docs/real-model/results.md, is a table of that generated file, row for row: the pages quote one sitting of
+    `python benchmark_real_model.py`, not figures of their own."""
+    with open(os.path.join(ROOT, "docs", "real-model", "results.md")) as f:
+        generated = markdown_tables(f.read())
+    with open(os.path.join(ROOT, "docs", "real-model.md")) as f:
+        page = markdown_tables(f.read())
+    assert len(page) >= 6
+    for header, rows in page:
+        assert (header, rows) in generated, f"docs/real-model.md: the table headed {header} is not one of results.md"
+    headers = {header for header, _ in generated}
+    for name, least in (("fitting-a-gpu.md", 3), ("results.md", 1)):
+        with open(os.path.join(ROOT, "docs", name)) as f:
+            quoted = [table for table in markdown_tables(f.read()) if table[0] in headers]
+        assert len(quoted) >= least, name
+        for header, rows in quoted:
+            assert (header, rows) in generated, f"docs/{name}: the table headed {header} differs from results.md's"
