@@ -135,19 +135,25 @@ def test_every_docs_page_is_reachable_and_its_links_resolve():
     assert pages <= reachable, pages - reachable
 
 
-def markdown_rows(text: str) -> list[dict]:
-    """The rows of every markdown table in `text`, each as {header: cell}."""
-    rows, header = [], None
+def markdown_tables(text: str) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
+    """Every markdown table in `text` as (header cells, rows of cells), the separator row left out."""
+    tables, current = [], None
     for line in text.splitlines():
         if not line.startswith("|"):
-            header = None
+            current = None
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = cells
+        cells = tuple(c.strip() for c in line.strip().strip("|").split("|"))
+        if current is None:
+            current = (cells, [])
+            tables.append(current)
         elif not set("".join(cells)) <= set("-: "):
-            rows.append(dict(zip(header, cells)))
-    return rows
+            current[1].append(cells)
+    return tables
+
+
+def markdown_rows(text: str) -> list[dict]:
+    """The rows of every markdown table in `text`, each as {header: cell}."""
+    return [dict(zip(header, row)) for header, rows in markdown_tables(text) for row in rows]
 
 
 def end_accuracy_range(generated_row: dict) -> str:
@@ -189,22 +195,6 @@ def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
         name = re.match(r"`(\w+)\.py`", row["script"]).group(1)
         (end,) = [r for r in generated if r["algorithm"] == name]
         assert [row["greedy accuracy"], row["pass@1"], row["pass@8"]] == [end["greedy accuracy"], end["pass@1"], end["pass@8"]]
-
-
-def markdown_tables(text: str) -> list[tuple[tuple[str, ...], list[tuple[str, ...]]]]:
-    """Every markdown table in `text` as (header cells, rows of cells)."""
-    tables = []
-    for line in text.splitlines():
-        if not line.startswith("|"):
-            if tables and tables[-1][0] is not None:
-                tables.append((None, []))
-            continue
-        cells = tuple(c.strip() for c in line.strip().strip("|").split("|"))
-        if not tables or tables[-1][0] is None:
-            tables[-1:] = [(cells, [])]
-        elif not set("".join(cells)) <= set("-: "):
-            tables[-1][1].append(cells)
-    return [t for t in tables if t[0] is not None]
 
 
 def test_the_real_model_pages_quote_the_generated_tables():
