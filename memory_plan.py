@@ -261,7 +261,7 @@ def smallest_card(need: float) -> str:
 
 
 def table(configs: dict, args: Args, teacher_config=None) -> list[str]:
-    gib = lambda n: f"{n / GIB:.1f}"  # noqa: E731
+    gib = lambda n: f"{n / GIB:.1f}"
     teacher = ("teacher", "teacher's forward") if teacher_config is not None else ()
     columns = ("weights", "gradients", "AdamW state", "reference", *teacher, "autocast copies", "activations")
     columns += ("activations, checkpointed", "output layer", "KV cache")

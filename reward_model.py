@@ -268,7 +268,6 @@ if __name__ == "__main__":
     data_metrics = {"data/pairs": len(train_pairs), "data/eval_pairs": len(eval_pairs), "time/pairs": pairs_time}
     logger.log(0, {**eval_metrics, **data_metrics})
     order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
-    checkpoint.get_extra = lambda: {"order": order}  # saved in each checkpoint, so that --resume goes on with them
 
     bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
     for step in bar:
@@ -304,7 +303,9 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(loss=f"{row['loss/rm'].item():.3f}", eval_accuracy=f"{eval_metrics['eval/pairwise_accuracy']:.2f}")
-        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
+        # saves every --save-every steps, with the pairs left in this epoch (--resume goes on with them); after Ctrl-C
+        # or SIGTERM, saves and exits
+        checkpoint.step_done(step, extra={"order": order})
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save

@@ -257,7 +257,6 @@ if __name__ == "__main__":
     }
     logger.log(0, {**eval_metrics, **pairs_metrics})
     order = checkpoint.extra.get("order", torch.empty(0, dtype=torch.long))  # the pairs left in this epoch
-    checkpoint.get_extra = lambda: {"order": order}  # saved in each checkpoint, so that --resume goes on with them
 
     bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
     for step in bar:
@@ -294,7 +293,9 @@ if __name__ == "__main__":
         logger.log(step, row)
         shown = {k: f"{eval_metrics[k]:.2f}" for k in ("eval/accuracy", "eval/rewards_accuracies") if k in eval_metrics}
         bar.set_postfix(loss=f"{row['loss/simpo'].item():.3f}", **{k.split("/")[1]: v for k, v in shown.items()})
-        checkpoint.step_done(step)  # saves every --save-every steps; after Ctrl-C or SIGTERM, saves and exits
+        # saves every --save-every steps, with the pairs left in this epoch (--resume goes on with them); after Ctrl-C
+        # or SIGTERM, saves and exits
+        checkpoint.step_done(step, extra={"order": order})
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save

@@ -45,8 +45,14 @@ def init_device(name: str) -> torch.device:
             torch.cuda.set_device(device)
         if not torch_dist.is_initialized():
             torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-            atexit.register(lambda: torch_dist.is_initialized() and torch_dist.destroy_process_group())
+            atexit.register(leave_process_group)
     return device
+
+
+def leave_process_group() -> None:
+    """At exit: leave the process group, if it is still there (a script may have left it already)."""
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
 
 
 @contextmanager

@@ -112,19 +112,19 @@ class Checkpoint:
     """--save-every and --resume: what a run needs to go on exactly as if it had never stopped, in
     OUTPUT_DIR/checkpoint.pt. That is the weights the optimizer trains (the policy, and PPO's critic), the optimizer's
     state, the step, the random number generators (`rng`, of the prompt order or the pair order; torch's, of sampling and
-    minibatch order; CUDA's) and whatever `extra()` returns (a script's own loop state). Frozen models (the reference,
-    a reward model) are reloaded as they were. The checkpoint is written every `--save-every` steps and after an
+    minibatch order; CUDA's) and the `extra` dict a script passes to step_done (its own loop state). Frozen models (the
+    reference, a reward model) are reloaded as they were. The checkpoint is written every `--save-every` steps and after an
     interrupt (Ctrl-C or SIGTERM: the step in progress finishes, the checkpoint is saved, the run exits with status 0;
     a second Ctrl-C stops at once), to a side file renamed over the old one, so that a save cut short never replaces a
     good checkpoint. With --resume the constructor restores it; `step` is then its step (0 on a fresh run) and `extra`
-    what extra() returned."""
+    the dict saved with it ({} on a fresh run)."""
 
-    def __init__(self, args, optimizer, rng, extra: Callable[[], dict] = dict):
+    def __init__(self, args, optimizer, rng):
         import signal
         import threading
 
         self.path = os.path.join(args.output_dir, "checkpoint.pt")
-        self.save_every, self.optimizer, self.rng, self.get_extra = args.save_every, optimizer, rng, extra
+        self.save_every, self.optimizer, self.rng = args.save_every, optimizer, rng
         self.step, self.resumed_step, self.extra, self.interrupted, self.ctrl_c = 0, None, {}, False, 0
         if args.resume:
             self.load()
@@ -151,7 +151,7 @@ class Checkpoint:
     def rng_state(self):
         return self.rng.get_state() if isinstance(self.rng, torch.Generator) else self.rng.getstate()
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, extra: dict | None = None) -> None:
         """Under torchrun every rank calls this (FSDP2 shards are gathered, each rank's torch RNG state is kept) and
         rank 0 writes the file."""
         optimizer = self.optimizer.state_dict()
@@ -165,7 +165,7 @@ class Checkpoint:
             "rng": self.rng_state(),
             "torch_rng": self.per_rank(torch.get_rng_state()),
             "cuda_rng": self.per_rank(torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []),
-            "extra": self.get_extra(),
+            "extra": extra or {},
         }
         if dist.is_main():
             torch.save(state, self.path + ".partial")
@@ -223,12 +223,13 @@ class Checkpoint:
         self.extra = state["extra"]
         print(f"resuming after step {self.step} from {self.path}")
 
-    def step_done(self, step: int) -> None:
-        """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits."""
+    def step_done(self, step: int, extra: dict | None = None) -> None:
+        """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits; `extra`, the
+        script's own loop state after this step, is saved with it."""
         if dist.world_size() > 1:  # one rank interrupted: all of them save and stop at this step
             self.interrupted = bool(dist.all_reduce(torch.tensor(int(self.interrupted)), "max"))
         if self.interrupted or (self.save_every and step % self.save_every == 0):
-            self.save(step)
+            self.save(step, extra)
         if self.interrupted:
             self.close()
             if dist.is_main():

@@ -25,7 +25,7 @@ from helpers import tiny_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F64 = dict(dtype=torch.float64)
 TOL = 1e-12  # float64: see the module docstring
-NAME = lambda x: getattr(x, "__name__", str(x))  # noqa: E731  (test ids: the module's name)
+NAME = lambda x: getattr(x, "__name__", str(x))  # test ids: the module's name
 
 
 def f64(*values, grad=False):
