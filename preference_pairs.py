@@ -111,16 +111,8 @@ def load_labelled(path: str):
 def render_prompts(pairs, tokenizer, args) -> tasks.Task:
     """A task whose `train` holds a user's pairs, their prompts rendered as the RL scripts render a user's prompts
     (tasks.apply_chat_template: --chat-template, and --instruction or the --task's answer format as the system message);
-    chosen and rejected are the assistant's turn that follows. A prompt that already holds the tokenizer's special
-    tokens was rendered by its author: rendering it again is refused in one line, unless --chat-template none."""
-    special = [t for t in tokenizer.all_special_tokens if len(t) > 1]
-    if args.chat_template != "none" and tokenizer.chat_template and special:
-        for prompt in pairs["prompt"]:
-            if any(token in prompt for token in special):
-                raise SystemExit(
-                    f"--dataset {args.dataset!r}: a prompt already holds special tokens ({prompt[:60]!r}): it was rendered "
-                    "with a chat template; pass --chat-template none to use it as given"
-                )
+    chosen and rejected are the assistant's turn that follows. A prompt already rendered by its author is refused in one
+    line (by tasks.apply_chat_template, as for the RL scripts), unless --chat-template none."""
     task = tasks.Task(args.task, pairs, pairs.select([]), *tasks.verifier(args.task))
     return tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # .train: the pairs
 

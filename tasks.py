@@ -311,7 +311,8 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
     for base models) the prompts stay plain text, behind the tokenizer's BOS if its own encoding starts with one (the
     model was trained so; prompts are tokenized without special tokens, since a chat template writes them itself). A
     template that refuses a system role gets the instruction at the head of the user turn instead. `tools` (Python
-    functions, grpo_tools.py) are passed on to a template that describes tools to the model itself."""
+    functions, grpo_tools.py) are passed on to a template that describes tools to the model itself. A prompt that already
+    holds the tokenizer's special tokens was rendered by its author: rendering it again is refused in one line."""
     if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
         bos = tokenizer.bos_token if tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id] else None
         if bos is None:  # (the built-in tokenizer has no BOS)
@@ -320,6 +321,13 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
         return dataclasses.replace(task, train=with_bos(task.train), eval=with_bos(task.eval))
     if not tokenizer.chat_template:
         raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
+    special = [t for t in tokenizer.all_special_tokens if len(t) > 1]  # (a one-character one, e.g. "<", is text too)
+    for prompt in [*task.train["prompt"], *task.eval["prompt"]]:  # a --dataset's prompt may come rendered by its author
+        if any(token in prompt for token in special):
+            raise SystemExit(
+                f"--dataset: a prompt already holds the tokenizer's special tokens ({prompt[:60]!r}): it was rendered with "
+                "a chat template; pass --chat-template none to use it as given"
+            )
     from jinja2.exceptions import TemplateError
 
     instruction = instruction or task.instruction or INSTRUCTIONS.get(task.name, "")  # --instruction, else the task's

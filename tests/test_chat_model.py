@@ -228,6 +228,27 @@ def test_preference_pairs_keep_the_end_token_each_answer_was_sampled_with(chat_m
         assert data[f"{key}_ids"][0, last[0]].item() == end_of_text, key
 
 
+def test_a_users_prompts_rendered_by_their_author_are_refused_for_the_rl_scripts_too(chat_model_dir, tmp_path):
+    """A --dataset whose prompts already hold the chat template's markers would be rendered twice: refused in one line
+    naming --chat-template none, which uses them as given."""
+    _, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
+    rendered = tmp_path / "rendered.jsonl"
+    rows_ = [
+        {"prompt": f"<|im_start|>user\nWhat is {a} plus 3?<|im_end|>\n<|im_start|>assistant\n", "answer": a + 3}
+        for a in range(8)
+    ]
+    rendered.write_text("\n".join(json.dumps(row) for row in rows_))
+    task = tasks.make_task("gsm8k", str(rendered), num_eval=2)
+    for mode in ("auto", "on"):
+        with pytest.raises(SystemExit) as info:
+            tasks.apply_chat_template(task, tokenizer, mode)
+        line = str(info.value.code)
+        assert line.startswith("--dataset: a prompt already holds the tokenizer's special tokens") and "\n" not in line
+        assert "--chat-template none" in line
+    as_given = tasks.apply_chat_template(task, tokenizer, "none")
+    assert as_given.train["prompt"] == task.train["prompt"] and as_given.eval["prompt"] == task.eval["prompt"]
+
+
 def test_the_instruction_flag_is_the_system_message(chat_model_dir, data_file):
     """--instruction replaces the task's answer format as the system message, for a user's prompts too."""
     _, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
@@ -269,7 +290,7 @@ def test_a_users_preference_prompts_are_rendered_like_the_rl_scripts_prompts(cha
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "twice"))
     line = str(exit_info.value.code)
-    assert line.startswith(f"--dataset {str(pairs)!r}: a prompt already holds special tokens") and "\n" not in line
+    assert line.startswith("--dataset: a prompt already holds the tokenizer's special tokens") and "\n" not in line
 
 
 def test_the_real_model_benchmark_writes_plain_prompts_that_dpo_renders(chat_model_dir, tmp_path):
