@@ -20,9 +20,9 @@ Departures from the paper:
    eps_high, whose value it does not state; ours is DAPO's 0.28 (ScaleRL-based recipes use 4 to 5). The paper also uses
    DAPO's dynamic sampling and length penalty, and 16 off-policy updates per batch; here 2 (num_minibatches).
 7. The built-in model learns at 5e-5 on the scratchpad task, half grpo.py's rate (the paper's model is not ours, so this
-   departs from grpo.py, not from the paper). At 1e-4 a step moves a few tokens of a long answer far (ratios of 0.01 to
-   5 in the next minibatch), grpo.py's clip drops them and CISPO keeps their gradient; its held-out accuracy swung and
-   stalled on some seeds and warm-ups, with grpo.py's KL penalty too; at 5e-5 it learns on each (docs/results.md).
+   departs from grpo.py, not from the paper): a step at 1e-4 can move a few tokens of a long answer far from ratio 1,
+   where grpo.py's clip drops them and CISPO keeps their gradient at a capped weight. The runs at both rates:
+   docs/results.md.
 """
 
 import os

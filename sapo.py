@@ -18,10 +18,9 @@ Departures from the paper:
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
 6. The built-in model learns at 5e-5 on the scratchpad task, half grpo.py's rate (the paper's model is not ours, so this
-   departs from grpo.py, not from the paper). At 1e-4 a step moves a few tokens of a long answer far (ratios of 0.01 to
-   5 in the next minibatch), grpo.py's clip drops them and the gate at tau = 1 barely closes (its weight is 0.94 at
-   r = 1.5); held-out accuracy swung and stalled on some seeds and warm-ups, with a tenfold tau too; at 5e-5 it learns
-   on each (docs/results.md).
+   departs from grpo.py, not from the paper): a step at 1e-4 can move a few tokens of a long answer far from ratio 1,
+   where grpo.py's clip drops them and the gate at tau = 1 barely closes (its weight is still 0.94 at r = 1.5). The runs
+   at both rates: docs/results.md.
 """
 
 import os
