@@ -288,8 +288,12 @@ def load_config(name: str):
     return Qwen2Config(**QWEN25[name]) if name in QWEN25 else AutoConfig.from_pretrained(name)
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
+def table_of(args: Args) -> list[str]:
+    """The table this command prints: --model-name-or-path's rows, or every Qwen2.5 size's."""
     names = [args.model_name_or_path] if args.model_name_or_path else list(QWEN25)
     teacher_config = load_config(args.teacher) if args.teacher else None
-    print("\n".join(table({name: load_config(name) for name in names}, args, teacher_config)))
+    return table({name: load_config(name) for name in names}, args, teacher_config)
+
+
+if __name__ == "__main__":
+    print("\n".join(table_of(tyro.cli(Args))))

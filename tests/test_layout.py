@@ -184,6 +184,18 @@ def test_the_readme_results_are_those_of_the_generated_tables():
         assert row["addition: responses generated"].split(" (")[0] == generated["addition"][name]["responses generated"]
 
 
+def test_the_readme_first_screen_quotes_the_command_timed_alone():
+    """The README's first screen (minutes, start and end accuracy of `python grpo.py --group-size 8` run alone) is the
+    row of that command in docs/results.md's table of whole commands timed alone."""
+    minutes, start, end = re.search(
+        r"alone, it takes ([\d.]+) minutes and the held-out accuracy goes from ([\d.]+%) to ([\d.]+%)",
+        " ".join(readme().split()),
+    ).groups()
+    with open(os.path.join(ROOT, "docs", "results.md")) as f:
+        (row,) = [r for r in markdown_rows(f.read()) if r.get("command") == "`python grpo.py --group-size 8`"]
+    assert (row["minutes"], row["held-out accuracy"]) == (minutes, f"{start} -> {end}")
+
+
 def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
     """The README's MaxRL-against-GRPO table quotes docs/maxrl/<task>/results.md: the end evaluation's greedy accuracy,
     pass@1 and pass@8, cell for cell, for both scripts on both tasks."""

@@ -3,10 +3,14 @@ adapter count against peft's, each term against numbers worked by hand, and its 
 and what the CPU's allocator holds in real passes (generation, the teacher's forward, the update). CPU autocast to bf16,
 entered where common.autocast enters CUDA's, stands in for a GPU's."""
 
+import os
+import re
 import types
 
 import pytest
 import torch
+import tyro
+from test_layout import markdown_tables
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import common
@@ -287,3 +291,34 @@ def test_the_update_peaks_as_the_formula_says(gpu_autocast, monkeypatch):
     peak = allocator_peak(lambda: common.completion_logprobs(model, ids, mask, 48, 1.0)[0].sum().backward())
     terms = memory_plan.plan(config, memory_plan.Args(micro_batch_size=4, sequence_length=64))["full"]
     assert memory_plan.phases(terms, checkpointed=False)["update"] == pytest.approx(peak, rel=0.08)
+
+
+def printed_rows(flags: str) -> list[tuple[str, ...]]:
+    """The table `python memory_plan.py FLAGS` prints, as rows of cells, its header first."""
+    lines = memory_plan.table_of(tyro.cli(memory_plan.Args, args=flags.split()))
+    return [tuple(c.strip() for c in line.strip("|").split("|")) for line in lines[:1] + lines[2:]]
+
+
+def test_the_docs_quote_what_memory_plan_prints():
+    """Each memory table of docs/fitting-a-gpu.md is rows that `python memory_plan.py` prints with one of the page's
+    commands, and the README's "puts its peak at X GiB (Y with --gradient-checkpointing)" is the LoRA row of its
+    command: a change to a formula fails here until the pages are regenerated."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    flags, lora_peak, checkpointed = re.search(
+        r"`python memory_plan.py ([^`]*)` puts its peak at ([\d.]+) GiB \(([\d.]+) with `--gradient-checkpointing`\)", readme
+    ).groups()
+    header, *rows = printed_rows(flags)
+    (row,) = [r for r in rows if r[1].startswith("LoRA")]
+    cell = dict(zip(header, row))
+    assert (cell["peak"], cell["peak, checkpointed"]) == (lora_peak, checkpointed)
+    printed = set()
+    for command in (flags, "", "--teacher Qwen2.5-7B --no-reference"):  # the page's three commands
+        printed |= set(printed_rows(command)[1:])
+    with open(os.path.join(root, "docs", "fitting-a-gpu.md")) as f:
+        tables = [rows for header, rows in markdown_tables(f.read()) if header[:2] == ("model", "training")]
+    assert len(tables) == 3 and sum(map(len, tables)) == 10
+    for rows in tables:
+        for row in rows:
+            assert row in printed, f"docs/fitting-a-gpu.md: {row[:2]} is not what memory_plan.py prints"
