@@ -354,9 +354,11 @@ if __name__ == "__main__":
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
-    policy, tokenizer = models.load_model_and_tokenizer(
+    tokenizer = models.load_tokenizer(args.model_name_or_path, args.cache_dir, args.task)
+    policy = models.load_model(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
+    # TOOLS: the prompts are rendered after the model loads, since its EOS ids are where a turn stops.
     # TOOLS: a chat model calls in its turns and hears back in tool messages (or inline); the built-in model writes <...>
     chat = args.chat_template != "none" and bool(tokenizer.chat_template)
     args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)

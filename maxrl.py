@@ -218,10 +218,12 @@ if __name__ == "__main__":
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
-    policy, tokenizer = models.load_model_and_tokenizer(
+    # the tokenizer first, alone: the prompts are rendered (and a bad one refused) before any weights load
+    tokenizer = models.load_tokenizer(args.model_name_or_path, args.cache_dir, args.task)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
+    policy = models.load_model(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight

@@ -215,10 +215,15 @@ if __name__ == "__main__":
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
-    policy, tokenizer = models.load_model_and_tokenizer(
+    # the tokenizer first, alone: the prompts are rendered (and a bad one refused) before any weights load
+    tokenizer = models.load_tokenizer(args.model_name_or_path, args.cache_dir, args.task)
+    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
+    teacher_tokenizer = models.load_tokenizer(args.teacher, args.cache_dir, args.task, flag="--teacher")  # OPD
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():  # OPD: log-probs are compared token by token
+        raise SystemExit(f"--teacher {args.teacher}: its tokenizer differs from the student's; both must share one")
+    policy = models.load_model(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the model reads it
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight
@@ -230,12 +235,8 @@ if __name__ == "__main__":
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
     reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
-    teacher, teacher_tokenizer = models.load_model_and_tokenizer(  # OPD
-        args.teacher, args.cache_dir, device, args.task, flag="--teacher"
-    )
+    teacher = models.load_model(args.teacher, args.cache_dir, device, args.task, flag="--teacher")  # OPD
     teacher.requires_grad_(False)
-    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():  # OPD: log-probs are compared token by token
-        raise SystemExit(f"--teacher {args.teacher}: its tokenizer differs from the student's; both must share one")
     policy, ref_policy, teacher = dist.prepare_models(args, policy, ref_policy, teacher)  # torchrun: rank 0's, or FSDP2
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)

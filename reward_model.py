@@ -224,21 +224,8 @@ if __name__ == "__main__":
     # a user's pairs are read before any model is loaded (and the task's data is not needed), else the task's problems
     user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None
     task = None if args.dataset else tasks.make_task(args.task)
-    # the warm-up policy's body with a new one-output head; models stay in eval mode throughout (no dropout)
-    model, tokenizer = models.load_model_and_tokenizer(
-        args.model_name_or_path,
-        args.cache_dir,
-        device,
-        args.task,
-        lora.base_dtype(args, device),
-        AutoModelForSequenceClassification,
-        num_labels=1,
-    )
-    model.config.pad_token_id = tokenizer.pad_token_id  # so that the saved model also works with the library's pooling
-    if args.gradient_checkpointing:
-        models.enable_gradient_checkpointing(model)
-    if args.lora_rank:  # train a low-rank adapter on the frozen body instead of every weight; the new head is trained whole
-        model = lora.add_adapter(model, args, trained_modules=("score",))
+    # the tokenizer first, alone: the pairs are rendered, split and checked before any weights load
+    tokenizer = models.load_tokenizer(args.model_name_or_path, args.cache_dir, args.task)
     if args.dataset:  # a user's pairs, their prompts rendered as the policy reads them (--chat-template)
         pairs, skipped, pairs_time = preference_pairs.render_prompts(user_pairs, tokenizer, args).train, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
@@ -254,6 +241,21 @@ if __name__ == "__main__":
             f"{len(train_pairs)} to train on, fewer than --batch-size {args.batch_size} (or none held out)"
         )
     print(f"{len(pairs)} preference pairs: {len(train_pairs)} to train on, {len(eval_pairs)} held out")
+    # the warm-up policy's body with a new one-output head; models stay in eval mode throughout (no dropout)
+    model = models.load_model(
+        args.model_name_or_path,
+        args.cache_dir,
+        device,
+        args.task,
+        lora.base_dtype(args, device),
+        AutoModelForSequenceClassification,
+        num_labels=1,
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id  # so that the saved model also works with the library's pooling
+    if args.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)
+    if args.lora_rank:  # train a low-rank adapter on the frozen body instead of every weight; the new head is trained whole
+        model = lora.add_adapter(model, args, trained_modules=("score",))
     train_data = preference_pairs.tokenize_pairs(tokenizer, train_pairs[:], device)
     eval_data = preference_pairs.tokenize_pairs(tokenizer, eval_pairs[:], device)
     (model,) = dist.prepare_models(args, model)  # under torchrun: rank 0's weights (its new head) on every rank

@@ -206,9 +206,8 @@ if __name__ == "__main__":
     task, eval_pairs = None, None  # what the policy is evaluated on: the task's problems, or held-out pairs (--dataset)
     user_pairs = preference_pairs.load_pairs(args.dataset) if args.dataset else None  # read before any model is loaded
     args.max_new_tokens = args.max_new_tokens or tasks.verifier(args.task)[1]  # the task's budget unless --max-new-tokens
-    policy, tokenizer = models.load_model_and_tokenizer(
-        args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
-    )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
+    # the tokenizer first, alone: the prompts are rendered (and a bad one refused) before any weights load
+    tokenizer = models.load_tokenizer(args.model_name_or_path, args.cache_dir, args.task)
     if args.dataset:  # a user's pairs, their prompts rendered as the model reads them (--chat-template), some held out
         rendered = preference_pairs.render_prompts(user_pairs, tokenizer, args)
         user_pairs, eval_pairs = preference_pairs.split_held_out(rendered.train, args.num_eval)
@@ -217,21 +216,24 @@ if __name__ == "__main__":
             task = tasks.Task(
                 args.task, answers(user_pairs), answers(eval_pairs), *tasks.verifier(args.task), chat=rendered.chat
             )
-    else:  # the task's problems, as the model reads them
+        pairs, skipped, pairs_time = user_pairs, 0, 0.0
+    else:  # the task's problems as the model reads them, and pairs built on them once by the warm-up policy (loaded only
+        # then), cached and shared with reward_model.py (pairs_time is 0 from the cache)
         task = tasks.apply_chat_template(tasks.make_task(args.task), tokenizer, args.chat_template, args.instruction)
+        load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+        pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, load_policy, device)
+    if len(pairs) < args.batch_size:
+        raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
+    generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
+    print(f"{len(pairs)} preference pairs ({skipped} prompts had no correct-and-wrong pair)")
+    policy = models.load_model(
+        args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
+    )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight
         policy = lora.add_adapter(policy, args)
     # models stay in eval mode throughout: no dropout (SimPO: and no reference model)
-    if args.dataset:
-        pairs, skipped, pairs_time = user_pairs, 0, 0.0
-    else:  # built once by the warm-up policy and cached, shared with reward_model.py; pairs_time is 0 from the cache
-        pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, lambda: (policy, tokenizer), device)
-    if len(pairs) < args.batch_size:
-        raise SystemExit(f"only {len(pairs)} preference pairs ({skipped} prompts skipped): fewer than --batch-size")
-    generated = 0 if args.dataset else args.num_pair_prompts * args.group_size  # responses sampled to build the pairs
-    print(f"{len(pairs)} preference pairs ({skipped} prompts had no correct-and-wrong pair)")
     data = preference_pairs.tokenize_pairs(tokenizer, pairs[:], device)
     if eval_pairs is not None:
         eval_data = preference_pairs.tokenize_pairs(tokenizer, eval_pairs[:], device)

@@ -104,6 +104,47 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     return path
 
 
+def load_tokenizer(name: str, cache_dir: str, task: str = "addition", flag: str = "--model-name-or-path"):
+    """The tokenizer of the model `name` (the built-in model warmed up on `task`, a folder or a hub id) alone, through
+    AutoTokenizer, left-padded, with EOS as its pad token if it has none. A script loads it before any weights, so that
+    what it checks with it (its prompts, a teacher's vocabulary) fails at once. A load error names `flag`."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name, cache_dir, task)
+    try:
+        tokenizer = load_local_first(lambda **local: AutoTokenizer.from_pretrained(path, padding_side="left", **local), path)
+    except LOAD_ERRORS as e:
+        raise SystemExit(load_error_message(name, path, e, flag)) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
+    return tokenizer
+
+
+def load_model(
+    name: str,
+    cache_dir: str,
+    device: torch.device,
+    task: str = "addition",
+    dtype=torch.float32,
+    auto_class=None,
+    flag: str = "--model-name-or-path",
+    **kw,
+):
+    """Load a causal LM through AutoModelForCausalLM, for the built-in model (warmed up on `task`) and for a hub model
+    alike, its weights in `dtype` (float32 unless they stay frozen, see lora.base_dtype). `auto_class` loads another
+    head on the same body, e.g. AutoModelForSequenceClassification with num_labels=1 (passed on in `kw`) for a reward
+    model. A load error names `flag`, the option that gave `name`."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name, cache_dir, task)
+    auto_class = auto_class or AutoModelForCausalLM
+    try:
+        model = load_local_first(lambda **local: auto_class.from_pretrained(path, dtype=dtype, **kw, **local), path)
+    except LOAD_ERRORS as e:
+        raise SystemExit(load_error_message(name, path, e, flag)) from None
+    return model.to(device)
+
+
 def load_model_and_tokenizer(
     name: str,
     cache_dir: str,
@@ -114,25 +155,9 @@ def load_model_and_tokenizer(
     flag: str = "--model-name-or-path",
     **kw,
 ):
-    """Load a causal LM and its tokenizer, through AutoModelForCausalLM and AutoTokenizer, for the built-in model
-    (warmed up on `task`) and for a hub model alike, its weights in `dtype` (float32 unless they stay frozen, see
-    lora.base_dtype). `auto_class` loads another head on the same body, e.g. AutoModelForSequenceClassification with
-    num_labels=1 (passed on in `kw`) for a reward model. A load error names `flag`, the option that gave `name`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(name, cache_dir, task)
-    auto_class = auto_class or AutoModelForCausalLM
-    load = lambda **local: (
-        AutoTokenizer.from_pretrained(path, padding_side="left", **local),
-        auto_class.from_pretrained(path, dtype=dtype, **kw, **local),
-    )
-    try:
-        tokenizer, model = load_local_first(load, path)
-    except LOAD_ERRORS as e:
-        raise SystemExit(load_error_message(name, path, e, flag)) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
-    return model.to(device), tokenizer
+    """(load_model(...), load_tokenizer(...)): the model and its tokenizer, the tokenizer loaded first."""
+    tokenizer = load_tokenizer(name, cache_dir, task, flag)
+    return load_model(name, cache_dir, device, task, dtype, auto_class, flag, **kw), tokenizer
 
 
 def has_chat_template(path: str) -> bool | None:

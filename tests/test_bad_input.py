@@ -106,6 +106,7 @@ def test_opd_refuses_a_teacher_with_another_tokenizer(monkeypatch, tmp_path, mod
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         if os.path.exists(os.path.join(model_dir, name)):
             os.symlink(os.path.join(model_dir, name), other / name)
+    no_model_may_load(monkeypatch)  # the tokenizers are compared before any weights load
     with pytest.raises(SystemExit) as exit_info:
         run_here(
             monkeypatch, "opd.py", "--model-name-or-path", model_dir, "--teacher", str(other), "--output-dir", str(tmp_path)
@@ -228,7 +229,7 @@ def no_model_may_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(models, "load_model_and_tokenizer", load)
+    monkeypatch.setattr(models, "load_model", load)  # (load_model_and_tokenizer calls it too)
 
 
 @pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("header.csv", "prompt,answer\n")])
@@ -241,6 +242,27 @@ def test_a_data_file_without_rows_is_one_line_naming_the_flag(tmp_path, monkeypa
         run_here(monkeypatch, script, "--model-name-or-path", model_dir, "--dataset", str(data), "--output-dir", str(tmp_path))
     columns = {"dpo.py": "prompt, chosen, rejected", "kto.py": "prompt, completion, label"}.get(script, "prompt, answer")
     assert str(exit_info.value.code) == f"--dataset {str(data)!r}: has no rows; it needs rows with {columns}"
+
+
+@pytest.mark.parametrize("script", ["dpo.py", "kto.py", "reward_model.py"])
+def test_too_few_pairs_are_refused_before_any_model_loads(tmp_path, monkeypatch, model_dir, script):
+    """A user's pairs that cannot fill a batch, or that hold one prompt only (nothing to hold out), are refused in one
+    line once they are read and rendered, before any weights load."""
+    row = lambda i: {"prompt": f"{i}+1=", "chosen": "1", "rejected": "2", "completion": "1", "label": i % 2}
+    no_model_may_load(monkeypatch)
+    for name, rows_, expected in (
+        ("one_prompt.jsonl", [{**row(0), "label": i % 2} for i in range(8)], "--dataset: needs pairs of at least two"),
+        ("few.jsonl", [row(i) for i in range(6)], "fewer than --batch-size"),
+    ):
+        if script == "reward_model.py" and name == "one_prompt.jsonl":
+            continue  # (it splits by prompt too, and says so in the batch-size line: none held out)
+        data = tmp_path / name
+        data.write_text("\n".join(json.dumps(r) for r in rows_))
+        flags = ["--model-name-or-path", model_dir, "--dataset", str(data), "--batch-size", "8", "--num-eval", "2"]
+        with pytest.raises(SystemExit) as exit_info:
+            run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "run"))
+        line = str(exit_info.value.code)
+        assert expected in line and "\n" not in line, line
 
 
 @pytest.mark.parametrize("teacher", ["missing", "empty"])
@@ -288,7 +310,7 @@ def test_a_hub_data_set_that_cannot_be_reached_is_one_line(monkeypatch, capfd, t
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
-    monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before the data"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: pytest.fail("loaded a model before the data"))
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, "grpo.py", "--task", "gsm8k", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path))
     assert str(exit_info.value.code).startswith("--task gsm8k: openai/gsm8k is not in the local datasets cache")
@@ -336,7 +358,7 @@ def test_check_flag_reads_the_value_from_the_args():
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py"])
 def test_more_prompts_per_step_than_the_training_split_holds_is_refused_before_loading(monkeypatch, tmp_path, script):
-    monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded a model before refusing"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: pytest.fail("loaded a model before refusing"))
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, script, "--num-prompts", "100000", "--output-dir", str(tmp_path))
     assert str(exit_info.value.code) == "--num-prompts 100000: at most the 9500 prompts of the training split"

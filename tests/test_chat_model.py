@@ -228,9 +228,9 @@ def test_preference_pairs_keep_the_end_token_each_answer_was_sampled_with(chat_m
         assert data[f"{key}_ids"][0, last[0]].item() == end_of_text, key
 
 
-def test_a_users_prompts_rendered_by_their_author_are_refused_for_the_rl_scripts_too(chat_model_dir, tmp_path):
+def test_a_users_prompts_rendered_by_their_author_are_refused_for_the_rl_scripts_too(chat_model_dir, tmp_path, monkeypatch):
     """A --dataset whose prompts already hold the chat template's markers would be rendered twice: refused in one line
-    naming --chat-template none, which uses them as given."""
+    naming --chat-template none, which uses them as given; grpo.py refuses them before any weights load."""
     _, tokenizer = models.load_model_and_tokenizer(chat_model_dir, "", torch.device("cpu"))
     rendered = tmp_path / "rendered.jsonl"
     rows_ = [
@@ -247,6 +247,10 @@ def test_a_users_prompts_rendered_by_their_author_are_refused_for_the_rl_scripts
         assert "--chat-template none" in line
     as_given = tasks.apply_chat_template(task, tokenizer, "none")
     assert as_given.train["prompt"] == task.train["prompt"] and as_given.eval["prompt"] == task.eval["prompt"]
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: pytest.fail("loaded a model before refusing the prompts"))
+    with pytest.raises(SystemExit, match="^--dataset: a prompt already holds"):  # grpo.py: before any weights load
+        flags = ["--model-name-or-path", chat_model_dir, "--task", "gsm8k", "--dataset", str(rendered), "--num-eval", "2"]
+        run_here(monkeypatch, "grpo.py", *flags, "--num-prompts", "2", "--output-dir", str(tmp_path / "run"))
 
 
 def test_the_instruction_flag_is_the_system_message(chat_model_dir, data_file):
@@ -287,6 +291,7 @@ def test_a_users_preference_prompts_are_rendered_like_the_rl_scripts_prompts(cha
             json.dumps({"prompt": f"<|im_start|>user\n{a}+3<|im_end|>", "chosen": "7", "rejected": "9"}) for a in range(8)
         )
     )
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: pytest.fail("loaded a model before refusing the prompts"))
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "twice"))
     line = str(exit_info.value.code)

@@ -118,8 +118,8 @@ def test_a_lora_run_loads_one_model_trains_the_adapter_and_saves_both_forms(mode
     merged model) and with peft (base + adapter), both giving the trained policy's log-probs."""
     coin_flip_rewards(monkeypatch)  # the briefly warmed-up model answers nothing right: no reward, no gradient
     loads = []
-    load = models.load_model_and_tokenizer
-    monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a, **kw: loads.append(a) or load(*a, **kw))
+    load = models.load_model  # (load_model_and_tokenizer, which the reference would use, calls it too)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: loads.append(a) or load(*a, **kw))
     out = tmp_path / "run"
     flags = [*SMALL, "--model-name-or-path", model_dir, "--lora-rank", "4", "--beta", "0.04", "--save-every", "2"]
     run_here(monkeypatch, "grpo.py", *flags, "--output-dir", str(out))
