@@ -34,8 +34,8 @@ def text_reward(self, completions, answers):
 def keep_every_checkpoint(save=run_state.Checkpoint.save):
     """Checkpoint.save that also keeps a copy of each step's checkpoint (rank 0 writes it)."""
 
-    def save_and_copy(self, step):
-        save(self, step)
+    def save_and_copy(self, step, extra=None):
+        save(self, step, extra)
         if dist.is_main():
             shutil.copy(self.path, f"{self.path}.{step}")
 
