@@ -30,8 +30,7 @@ import common
 import tasks
 from plumbing import checks, dist, lora, models, run_state
 
-# default --total-steps per task: a scratchpad step (answers of 21-31 tokens) costs about four times an addition step
-TOTAL_STEPS = 60  # PPO: fewer, costlier steps
+TOTAL_STEPS = 60  # PPO: fewer, costlier steps (default --total-steps; halved on the scratchpad task, as in grpo.py)
 
 
 @dataclass
