@@ -260,7 +260,10 @@ if __name__ == "__main__":
     else:  # the task's problems as the model reads them, and pairs built on them once by the warm-up policy (loaded only
         # then), cached and shared with reward_model.py (pairs_time is 0 from the cache)
         task = tasks.apply_chat_template(tasks.make_task(args.task), tokenizer, args.chat_template, args.instruction)
-        load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+        dtype = lora.base_dtype(args, device)  # the policy's own: a LoRA base may be bf16 (on a GPU)
+        load_policy = lambda: models.load_model_and_tokenizer(
+            args.model_name_or_path, args.cache_dir, device, args.task, dtype
+        )
         pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, load_policy, device)
     examples = pairs if args.dataset else unpaired_examples(pairs)  # KTO: unpaired, each labelled
     if len(examples) < args.batch_size:

@@ -230,7 +230,10 @@ if __name__ == "__main__":
         pairs, skipped, pairs_time = preference_pairs.render_prompts(user_pairs, tokenizer, args).train, 0, 0.0
     else:  # dpo.py's pairs: from the cache, or built once by the warm-up policy (loaded only then) and cached for both
         task = tasks.apply_chat_template(task, tokenizer, args.chat_template, args.instruction)  # as the policy reads it
-        load_policy = lambda: models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
+        dtype = lora.base_dtype(args, device)  # the policy's own, as dpo.py builds them: a LoRA base may be bf16 (on a GPU)
+        load_policy = lambda: models.load_model_and_tokenizer(
+            args.model_name_or_path, args.cache_dir, device, args.task, dtype
+        )
         pairs, skipped, pairs_time = preference_pairs.cached_verifier_pairs(args, task, load_policy, device)
     # the built-in tasks' plain prompts are split by operands (a problem and its twin together), anything else by prompt
     by_operands = task is not None and args.task in tasks.BUILTIN_TASKS and not task.chat

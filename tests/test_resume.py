@@ -52,8 +52,9 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     if script in ("dpo.py", "reward_model.py", "kto.py", "ipo.py", "simpo.py", "orpo.py"):
         pairs = tmp_path / "pairs.jsonl"
         row = lambda a: {"prompt": f"{a:02d}+11=", "chosen": "1", "rejected": "22", "completion": "1" * a, "label": a % 2}
-        pairs.write_text("\n".join(json.dumps(row(a)) for a in range(6)))  # kto.py reads completion and label
-        flags += ["--dataset", str(pairs), "--num-eval", "2", "--batch-size", "4", "--total-steps", "3", "--eval-every", "2"]
+        pairs.write_text("\n".join(json.dumps(row(a)) for a in range(8)))  # kto.py reads completion and label
+        # 6 to train on, 2 a step: the save after step 2 falls mid-epoch, with the pairs left in `order` to carry over
+        flags += ["--dataset", str(pairs), "--num-eval", "2", "--batch-size", "2", "--total-steps", "3", "--eval-every", "2"]
         flags += ["--device", "cpu"]
     else:
         flags += [*SMALL, "--total-steps", "3", "--eval-every", "2", "--num-prompts", "2", "--group-size", "4"]
