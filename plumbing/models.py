@@ -104,17 +104,25 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     return path
 
 
+def from_pretrained(name: str, cache_dir: str, task: str, flag: str, load):
+    """load(path, **kwargs), a `from_pretrained` call, on the folder of the model `name` (resolve_model_path), local
+    files first (load_local_first); a load error becomes one line that names `flag`."""
+    path = resolve_model_path(name, cache_dir, task)
+    try:
+        return load_local_first(lambda **local: load(path, **local), path)
+    except LOAD_ERRORS as e:
+        raise SystemExit(load_error_message(name, path, e, flag)) from None
+
+
 def load_tokenizer(name: str, cache_dir: str, task: str = "addition", flag: str = "--model-name-or-path"):
     """The tokenizer of the model `name` (the built-in model warmed up on `task`, a folder or a hub id) alone, through
     AutoTokenizer, left-padded, with EOS as its pad token if it has none. A script loads it before any weights, so that
     what it checks with it (its prompts, a teacher's vocabulary) fails at once. A load error names `flag`."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name, cache_dir, task)
-    try:
-        tokenizer = load_local_first(lambda **local: AutoTokenizer.from_pretrained(path, padding_side="left", **local), path)
-    except LOAD_ERRORS as e:
-        raise SystemExit(load_error_message(name, path, e, flag)) from None
+    tokenizer = from_pretrained(
+        name, cache_dir, task, flag, lambda path, **local: AutoTokenizer.from_pretrained(path, padding_side="left", **local)
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe here: masks are built from the first EOS, not from pad
     return tokenizer
@@ -136,13 +144,9 @@ def load_model(
     model. A load error names `flag`, the option that gave `name`."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(name, cache_dir, task)
     auto_class = auto_class or AutoModelForCausalLM
-    try:
-        model = load_local_first(lambda **local: auto_class.from_pretrained(path, dtype=dtype, **kw, **local), path)
-    except LOAD_ERRORS as e:
-        raise SystemExit(load_error_message(name, path, e, flag)) from None
-    return model.to(device)
+    load = lambda path, **local: auto_class.from_pretrained(path, dtype=dtype, **kw, **local)
+    return from_pretrained(name, cache_dir, task, flag, load).to(device)
 
 
 def load_model_and_tokenizer(
@@ -229,8 +233,5 @@ def load_body(name: str, cache_dir: str, task: str = "addition", dtype=torch.flo
     its output layer, through AutoModel, in `dtype`, for a network with a head of its own (PPO's critic)."""
     from transformers import AutoModel
 
-    path = resolve_model_path(name, cache_dir, task)
-    try:
-        return load_local_first(lambda **local: AutoModel.from_pretrained(path, dtype=dtype, **local), path)
-    except LOAD_ERRORS as e:
-        raise SystemExit(load_error_message(name, path, e)) from None
+    load = lambda path, **local: AutoModel.from_pretrained(path, dtype=dtype, **local)
+    return from_pretrained(name, cache_dir, task, "--model-name-or-path", load)
