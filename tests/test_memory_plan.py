@@ -9,7 +9,9 @@ import types
 
 import pytest
 import torch
+import transformers
 import tyro
+from packaging.version import Version
 from test_layout import markdown_tables
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -29,6 +31,14 @@ def test_the_qwen25_configs_have_the_published_parameter_counts(name, total, non
     embedding *= 1 if model.config.tie_word_embeddings else 2  # the 7B's output layer is a matrix of its own
     assert round(count / 1e9, 2) == pytest.approx(total, abs=0.011)  # 7,615,616,512 is 7.61B on its card
     assert round((count - embedding) / 1e9, 2) == pytest.approx(non_embedding, abs=0.011)
+
+
+# The planner's generation and no-gradient terms model transformers 5.24 and later, the release CI installs. On 5.16.1 to
+# 5.23 (5.19 measured) the KV cache keeps the values in fp32 as well under bf16 autocast (1.5 times the cache of full
+# training), and generation peaks 26-34% and the teacher's forward 13% lower than the plan: docs/fitting-a-gpu.md.
+PLANNED_TRANSFORMERS = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24"), reason="the planner models transformers 5.24's memory"
+)
 
 
 def small_llama(kv_heads: int, vocab_size: int = 64, intermediate_size: int = 0) -> LlamaConfig:
@@ -221,12 +231,15 @@ def generation_run(model, rows: int, prompt_length: int, new_tokens: int):
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[:4, :3] = 0
     caches = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(kwargs["cache"]), with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: caches.append(kwargs[common.kv_cache_argument()]), with_kwargs=True
+    )
     peak = allocator_peak(lambda: common.generate(model, tokenizer, prompt_ids, prompt_mask, new_tokens, 1.0))
     hook.remove()
     return caches[-1], peak
 
 
+@PLANNED_TRANSFORMERS
 @pytest.mark.parametrize("kind", ["full, bf16 autocast", "lora, bf16 base and autocast"])
 def test_the_kv_cache_holds_fp32_keys_in_full_training(kind, monkeypatch):
     """The rotary embedding's cos and sin take the hidden states' dtype, fp32 with an fp32 embedding, and so do the
@@ -241,6 +254,7 @@ def test_the_kv_cache_holds_fp32_keys_in_full_training(kind, monkeypatch):
     assert memory_plan.kv_cache_bytes(config, 32, 63, fp32_keys=kind.startswith("full")) == keys + values
 
 
+@PLANNED_TRANSFORMERS
 @pytest.mark.parametrize("kind", ["full, bf16 autocast", "lora, bf16 base and autocast"])
 def test_generation_peaks_at_the_weights_copies_the_cache_and_a_step(kind, monkeypatch):
     """The allocator's peak in common.generate against the plan's generation phase: autocast's bf16 copies of every
@@ -255,6 +269,7 @@ def test_generation_peaks_at_the_weights_copies_the_cache_and_a_step(kind, monke
     assert memory_plan.phases(terms, checkpointed=False)["generation"] == pytest.approx(peak, rel=0.05)
 
 
+@PLANNED_TRANSFORMERS
 @pytest.mark.parametrize("rows", [2, 8])
 def test_the_teacher_s_forward_peaks_as_the_formula_says(rows, gpu_autocast, monkeypatch):
     """opd.py's teacher (fp32, no gradient) scoring 2 micro-batches of `rows` responses of 64 tokens: the output layer's
