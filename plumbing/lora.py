@@ -102,6 +102,27 @@ class WithoutAdapter(torch.nn.Module):
         return head.get_base_layer() if head is not None and hasattr(head, "get_base_layer") else head
 
 
+@torch.no_grad()
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """The model's weights with the adapter merged, under the names of the model without it (what from_pretrained and
+    an inference engine read): W + (alpha / r) B A for every adapted layer, in float32, the rest as they are. The model
+    itself is left unchanged (save_merged is the one that merges in place)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            base = module.get_base_layer()
+            delta = module.get_delta_weight("default").float()  # (alpha / r) B A, (out, in)
+            weights[f"{name}.weight"] = base.weight.detach().float() + delta
+            if base.bias is not None:
+                weights[f"{name}.bias"] = base.bias.detach()
+    for name, p in model.state_dict().items():
+        if "lora_" not in name and ".base_layer." not in name:
+            weights[name] = p.detach()
+    return weights
+
+
 def trainable_parameter_count(model) -> tuple[int, int]:
     """(trained, all) parameter counts; the base weights an adapter layer wraps are counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters())

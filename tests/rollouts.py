@@ -16,7 +16,9 @@ def record_or_replay(folder: str):
     union of the ranks' rollouts, in rank order, for exactly the same prompts: then its update should equal theirs."""
     generate, calls = common.generate, [0]
 
-    def record_or_replay_generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, *more):
+    def record_or_replay_generate(
+        model, tokenizer, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, *more, return_logprobs=False
+    ):
         if temperature == 0:  # (more: grpo_tools.py's stop ids and finished rows)
             return generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, *more)
         call, calls[0] = calls[0], calls[0] + 1
@@ -28,15 +30,16 @@ def record_or_replay(folder: str):
         elif os.path.isfile(this_rank):
             saved = [torch.load(this_rank)]
         else:
-            completion_ids, mask, truncated = generate(
-                model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, *more
+            # (return_logprobs: grpo_engine.py's engine, whose sampling log-probs are part of the rollout)
+            rollout = generate(
+                model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, *more, return_logprobs=return_logprobs
             )
             os.makedirs(folder, exist_ok=True)
-            torch.save({"prompts": prompts, "rollout": [completion_ids.cpu(), mask.cpu(), truncated.cpu()]}, this_rank)
-            return completion_ids, mask, truncated
+            torch.save({"prompts": prompts, "rollout": [x.cpu() for x in rollout]}, this_rank)
+            return rollout
         if [p for s in saved for p in s["prompts"]] != prompts:
             raise ValueError(f"the rollouts saved in {folder} (call {call}) are for other prompts")
-        pads = (tokenizer.pad_token_id, False, False)
+        pads = (tokenizer.pad_token_id, False, False, 0.0)[: len(saved[0]["rollout"])]
         return tuple(
             common.cat_padded([s["rollout"][i] for s in saved], pad).to(prompt_ids.device) for i, pad in enumerate(pads)
         )

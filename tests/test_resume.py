@@ -35,7 +35,7 @@ def interrupt_after(step):
 @pytest.mark.parametrize(
     "command",
     ["grpo.py", "dapo.py", "ppo.py --lora-rank 4", "dpo.py", "reward_model.py", "opd.py", "grpo_tools.py", "kto.py"]
-    + ["ipo.py", "simpo.py", "orpo.py"],
+    + ["ipo.py", "simpo.py", "orpo.py", "grpo_engine.py --max-staleness 2"],
 )
 def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tool_run_flags, tmp_path, monkeypatch, command):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not

