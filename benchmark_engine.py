@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import tyro
 
+import benchmark_real_model
 from benchmark_real_model import cpu_name, gib, run_measured
 
 PARTS = ("mismatch", "learning", "sampling", "speed", "default")
@@ -213,7 +214,8 @@ def learning_runs(args: Args) -> dict:
 
 
 def evaluations(rows: list[dict]) -> list[tuple[int, float]]:
-    return [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    """(step, held-out accuracy) of every evaluation."""
+    return [(step, accuracy) for step, _, accuracy in benchmark_real_model.evaluations(rows)]
 
 
 def learning(args: Args) -> list[str]:

@@ -11,22 +11,12 @@ from contextlib import nullcontext
 import torch
 import torch.utils.checkpoint
 
-from plumbing import dist
+from plumbing import dist, models
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds CUDA
-
-
-def kv_cache_argument() -> str:
-    """The name of a model's KV-cache argument: `cache` from transformers 5.24, `past_key_values` before. A name the
-    forward does not know is swallowed by its **kwargs, and sampling then runs without a cache (every step sees only the
-    last token): the wrong name fails silently, with a model that answers garbage."""
-    from packaging.version import Version
-    from transformers import __version__
-
-    return "cache" if Version(__version__) >= Version("5.24") else "past_key_values"
 
 
 def autocast(device: torch.device):
@@ -92,7 +82,7 @@ def generate(
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # positions count from each row's first real token
     done = torch.zeros(len(prompt_ids), dtype=torch.bool) if done is None else done.clone()
     cache, done, tokens, logprobs = DynamicCache(), done.to(prompt_ids.device), [], []
-    cache_argument = {kv_cache_argument(): cache}  # the keys and values of every position so far, appended at each step
+    cache_argument = {models.kv_cache_argument(): cache}  # the keys and values of every position so far, appended each step
     for t in range(max_new_tokens):
         with autocast(prompt_ids.device):
             out = model(

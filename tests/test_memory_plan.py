@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import common
 import memory_plan
-from plumbing import lora
+from plumbing import lora, models
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def generation_run(model, rows: int, prompt_length: int, new_tokens: int):
     prompt_mask[:4, :3] = 0
     caches = []
     hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: caches.append(kwargs[common.kv_cache_argument()]), with_kwargs=True
+        lambda module, args, kwargs: caches.append(kwargs[models.kv_cache_argument()]), with_kwargs=True
     )
     peak = allocator_peak(lambda: common.generate(model, tokenizer, prompt_ids, prompt_mask, new_tokens, 1.0))
     hook.remove()
