@@ -14,7 +14,7 @@ import torch
 
 import common
 import tasks
-from plumbing import dist, models
+from plumbing import dist, lora, models
 
 
 @torch.no_grad()
@@ -57,13 +57,14 @@ def sample_verifier_pairs(policy, tokenizer, task: tasks.Task, args, device: tor
 def cached_verifier_pairs(args, task: tasks.Task, load_policy: Callable, device: torch.device):
     """The built-in preference pairs of args.model_name_or_path on args.task (sample_verifier_pairs), built the first
     time and cached, so that dpo.py and reward_model.py train on the same pairs and build them once. `load_policy()`
-    returns (policy, tokenizer) and is called only when the pairs must be built. Returns (pairs, skipped, seconds
-    spent building them: 0 from the cache)."""
+    returns (policy, tokenizer) in the policy's own dtype (lora.base_dtype, part of the cache key) and is called only when
+    the pairs must be built. Returns (pairs, skipped, seconds spent building them: 0 from the cache)."""
     import datasets
 
     model_path = models.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
     recipe = ["most-frequent-v2", os.path.abspath(model_path), args.task, args.num_pair_prompts, args.group_size]
     recipe += [args.max_new_tokens] + ([task.train[0]["prompt"]] if task.chat else [])  # prompts rendered how
+    recipe += [str(lora.base_dtype(args, device))]  # sampled by the policy in its own dtype: a bf16 base samples others
     key = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:10]
     pairs_dir = os.path.join(models.cache_root(args.cache_dir), f"dpo-pairs-{key}")
     # under torchrun rank 0 builds them (alone) while the others wait: every rank must take the same decision

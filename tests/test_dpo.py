@@ -1,6 +1,7 @@
 """dpo.py against DPO (Rafailov et al. 2023, §4-5): the loss, its gradient, the KL-regularised optimum."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import preference_pairs
 import sft
 import tasks
 from helpers import tiny_model
+from plumbing import lora, models
 
 
 def args(**overrides):
@@ -106,6 +108,25 @@ def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypa
     chosen_ids, chosen_mask = data["chosen_ids"], data["chosen_mask"]
     for ids, mask, text in zip(chosen_ids, chosen_mask, pairs[:4]["chosen"]):
         assert ids[mask].tolist() == tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+
+def test_pairs_built_in_another_dtype_are_cached_apart(model_dir, tmp_path, monkeypatch):
+    """The pairs are sampled by the policy in its own dtype (lora.base_dtype: a bf16 LoRA base samples in bf16), so a
+    run in bf16 must not read the float32 run's pairs from the cache, nor the float32 run the bf16 one's."""
+    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    task, device, built = tasks.make_task("addition"), torch.device("cpu"), []
+
+    def load_policy():
+        built.append(1)
+        return models.load_model_and_tokenizer(model_dir, "", device)
+
+    settings = dict(model_name_or_path=model_dir, cache_dir=str(tmp_path), num_pair_prompts=8, group_size=4)
+    float32_args, bf16_args = args(**settings), args(**settings, lora_rank=4, lora_base_dtype="bfloat16")
+    assert (lora.base_dtype(float32_args, device), lora.base_dtype(bf16_args, device)) == (torch.float32, torch.bfloat16)
+    for run_args in (float32_args, bf16_args, float32_args, bf16_args):
+        preference_pairs.cached_verifier_pairs(run_args, task, load_policy, device)
+    assert built == [1, 1]  # each dtype built its pairs once, then read them from the cache
+    assert len([name for name in os.listdir(tmp_path) if name.startswith("dpo-pairs-")]) == 2
 
 
 @pytest.mark.parametrize(
