@@ -236,7 +236,9 @@ def plan(config, args: Args, teacher_config=None) -> dict:
 
 
 THROUGHOUT = ("weights", "gradients", "AdamW state", "reference", "teacher")
-CARDS_GIB = (24, 48, 80)
+# Each card class's memory in GiB: a 16 GB T4 has 15 GiB (15,360 MiB); the larger classes are counted at their size,
+# though some of their cards have less (an A10 or L4 of 24 GB: 22.5 GiB)
+CARDS_GIB = {"16 GB": 15.0, "24 GB": 24.0, "48 GB": 48.0, "80 GB": 80.0}
 HEADROOM_GIB = 1.5  # the CUDA context and the allocator's fragmentation
 
 
@@ -256,8 +258,9 @@ def peak(terms: dict, checkpointed: bool) -> float:
 
 
 def smallest_card(need: float) -> str:
-    fits = [c for c in CARDS_GIB if need / GIB + HEADROOM_GIB <= c]
-    return f"{fits[0]} GB" if fits else "none (use --fsdp)"
+    """The smallest card class of CARDS_GIB whose memory holds `need` bytes and the headroom."""
+    fits = [name for name, size in CARDS_GIB.items() if need / GIB + HEADROOM_GIB <= size]
+    return fits[0] if fits else "none (use --fsdp)"
 
 
 def table(configs: dict, args: Args, teacher_config=None) -> list[str]:

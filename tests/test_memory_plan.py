@@ -144,6 +144,17 @@ def test_the_peak_is_what_lives_throughout_plus_the_largest_phase():
     assert memory_plan.peak(terms | {"teacher's forward": 0}, checkpointed=True) == 31 + 1248
 
 
+def test_the_smallest_card_holds_the_peak_and_the_headroom():
+    """A 16 GB card (a T4: 15 GiB) holds a peak of up to 13.5 GiB with the 1.5 GiB of headroom; the next classes are
+    counted at their size."""
+    gib = memory_plan.GIB
+    assert memory_plan.smallest_card(13.5 * gib) == "16 GB"
+    assert memory_plan.smallest_card(13.6 * gib) == "24 GB"
+    assert memory_plan.smallest_card(22.5 * gib) == "24 GB"
+    assert memory_plan.smallest_card(46.6 * gib) == "80 GB"
+    assert memory_plan.smallest_card(78.6 * gib) == "none (use --fsdp)"
+
+
 def test_the_teacher_is_counted_in_fp32_for_full_training_and_lora():
     """opd.py loads its teacher with load_model_and_tokenizer's default dtype, float32, with or without --lora-rank."""
     # HAND's parameters: the tied embedding 1024 x 64, 2 layers of 86,144 linear and 2 x 64 norm parameters, a final norm
