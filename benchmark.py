@@ -217,18 +217,46 @@ def responses_to_reach(rows, accuracy: float):
 KL_ESTIMATOR = {"grpo": "k3", "rloo": "k1", "ppo": "k1", "dr_grpo": "k3", "dapo": "k3", "gspo": "k3", "reinforce_pp": "k2"}
 
 
-def line_style(algorithm: str) -> dict:
-    """Each script's own colour in every chart, so that 16 curves stay apart: the RL scripts one dark hue each (in the
-    order of ALGORITHMS), the preference family dashed in the first five; a name with its seeds ("cispo (seed 1)") keeps
-    its script's style."""
-    import matplotlib
+HUES = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+HUES += ["black"]  # matplotlib's tab10, then black: 11 hues, one for each RL script
 
+
+def line_style(algorithm: str, others: list[str] = ()) -> dict:
+    """Each script's own colour in every chart, so that 16 curves stay apart: the RL scripts one hue each (in the order
+    of ALGORITHMS), the preference family dashed in the first five; a name with its seeds ("cispo (seed 1)") keeps its
+    script's style. A run that is no script of ALGORITHMS (the runs of --tools) takes the hue of its place in `others`."""
     name = algorithm.split(" (")[0]
     rl = [a for a in ALGORITHMS if a not in PREFERENCE]
     family = [a for a in ALGORITHMS if a in PREFERENCE]
-    index = rl.index(name) if name in rl else family.index(name) if name in family else len(rl)
-    color = "black" if index >= 10 else matplotlib.colormaps["tab20"](2 * index)  # tab20's even entries: 10 dark hues
-    return {"color": color, "linestyle": "--" if name in PREFERENCE else "-"}
+    if name in rl:
+        index = rl.index(name)
+    elif name in family:
+        index = family.index(name)
+    else:
+        index = list(others).index(algorithm) if algorithm in others else len(HUES) - 1
+    return {"color": HUES[index % len(HUES)], "linestyle": "--" if name in PREFERENCE else "-"}
+
+
+def start_accuracy(rows: list[dict]):
+    """The held-out accuracy of a run's first evaluation, before any training step (None if it logged none)."""
+    return next((r["eval/accuracy"] for r in rows if "eval/accuracy" in r), None)
+
+
+def start_lines(results: dict) -> list[tuple[float, str, str]]:
+    """The dashed reference lines of an accuracy chart, as (accuracy, label, colour): one grey line when every run
+    starts alike (the warm-up's accuracy), else one for each distinct start, named with its runs and in the colour of
+    the first of them, so that two starts are never averaged into a line that no run started from."""
+    starts = {}  # start accuracy: the runs that start there
+    for algorithm, runs in results.items():
+        for rows in runs:
+            start = start_accuracy(rows)
+            if start is not None and algorithm not in starts.setdefault(start, []):
+                starts[start].append(algorithm)
+    if len(starts) == 1:
+        (start,) = starts
+        return [(start, f"start (warm-up): {start:.1%}", "gray")]
+    others = [a for a in results if a.split(" (")[0] not in ALGORITHMS]
+    return [(s, f"start of {', '.join(names)}: {s:.1%}", line_style(names[0], others)["color"]) for s, names in starts.items()]
 
 
 def place_legend(fig, ax, entries: int) -> None:
@@ -242,9 +270,10 @@ def place_legend(fig, ax, entries: int) -> None:
 
 def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "step", window: int = 10, label=None) -> bool:
     """Mean over seeds with a min-max band, for every algorithm that logs `key`, against `x` ("step", or
-    "train/responses": responses generated). Per-step metrics are smoothed (a trailing mean over `window` logged
-    points; 1 for evaluations). Evaluations get the start (the warm-up's accuracy) as a dashed reference line. Nothing is
-    written when no algorithm logs `key`; returns whether the chart was written."""
+    "train/responses": responses generated); an algorithm whose seeds start at different accuracies gets one curve per
+    seed instead, never their mean. Per-step metrics are smoothed (a trailing mean over `window` logged points; 1 for
+    evaluations). Evaluations get each start as a reference line (`start_lines`). Nothing is written when no algorithm
+    logs `key`; returns whether the chart was written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,6 +281,7 @@ def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     drawn = False
+    others = [a for a in results if a.split(" (")[0] not in ALGORITHMS]  # runs that are no script of ALGORITHMS: --tools
     for algorithm, runs in results.items():
         per_seed = [s for s in series(runs, key, x) if s]
         if not per_seed:
@@ -260,8 +290,11 @@ def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "
         xs = [statistics.mean(s[i][0] for s in per_seed) for i in range(n)]
         smoothed = [smooth([y for _, y in s[:n]], window) for s in per_seed]
         ys = [[s[i] for s in smoothed] for i in range(n)]
-        style, name = line_style(algorithm), label(algorithm) if label else algorithm
-        if n > 2 and len(set(xs[1:])) == 1:  # x stands still after the start (responses generated before training only,
+        style, name = line_style(algorithm, others), label(algorithm) if label else algorithm
+        if len({start_accuracy(rows) for rows in runs}) > 1:  # seeds that start apart (other warm-ups): each seed alone
+            for i, s in enumerate(smoothed):
+                ax.plot([p[0] for p in per_seed[i][:n]], s, label=f"{name} (each seed)" if i == 0 else None, **style)
+        elif n > 2 and len(set(xs[1:])) == 1:  # x stands still after the start (responses generated before training only,
             mean, low, high = statistics.mean(ys[-1]), min(ys[-1]), max(ys[-1])  # the preference family): its end, there
             ax.errorbar(xs[-1:], [mean], [[mean - low], [high - mean]], fmt="o", capsize=3, label=name, color=style["color"])
         else:
@@ -270,8 +303,8 @@ def plot(results: dict, key: str, title: str, ylabel: str, path: str, x: str = "
         drawn = True
     if drawn:
         if key == "eval/accuracy":
-            start = statistics.mean(rows[0]["eval/accuracy"] for runs in results.values() for rows in runs)
-            ax.axhline(start, color="gray", linestyle="--", linewidth=1, label=f"start (warm-up): {start:.1%}")
+            for start, start_label, color in start_lines(results):
+                ax.axhline(start, color=color, linestyle=":" if color != "gray" else "--", linewidth=1, label=start_label)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel({"step": "step (one rollout and its updates; DPO: one optimizer step)"}.get(x, "responses generated"))
         ax.set_ylabel(ylabel)

@@ -93,3 +93,28 @@ def test_pass_at_k_table_lists_greedy_accuracy_beside_each_k_at_start_and_end():
     assert lines[3] == "| a | end | 0.850 (0.800-0.900) | 0.750 (0.500-1.000) | 0.750 (0.500-1.000) |"
     assert len(lines) == 4  # "b" logged no pass@k: left out
     assert benchmark.pass_at_k_table({"b": [run([0.5, 0.6])]}) == ""
+
+
+def test_every_run_of_a_chart_has_its_own_colour():
+    """The RL scripts one hue each, the preference family dashed, and the runs of --tools (no script of ALGORITHMS)
+    hues of their own rather than one shared black."""
+    rl = [a for a in benchmark.ALGORITHMS if a not in benchmark.PREFERENCE]
+    assert len({benchmark.line_style(a)["color"] for a in rl}) == len(rl)
+    assert benchmark.line_style("cispo (seed 1)") == benchmark.line_style("cispo")
+    assert benchmark.line_style("dpo")["linestyle"] == "--"
+    tools = list(benchmark.TOOL_RUNS)
+    assert len({benchmark.line_style(name, tools)["color"] for name in tools}) == len(tools) == 3
+
+
+def test_an_accuracy_chart_never_averages_two_starts():
+    """One grey start line when every run starts alike; else one line per distinct start, never their mean (grpo_tools.py
+    starts at 2.8% with its calculator, grpo.py at 0.2% without)."""
+    same = {"grpo": [run([0.5, 0.9]), run([0.5, 0.8])], "maxrl": [run([0.5, 0.95])]}
+    assert benchmark.start_lines(same) == [(0.5, "start (warm-up): 50.0%", "gray")]
+    tools = {"grpo_tools": [run([0.028, 0.99])], "grpo.py (no tools)": [run([0.002, 0.004])]}
+    lines = benchmark.start_lines(tools)
+    assert [(start, label) for start, label, _ in lines] == [
+        (0.028, "start of grpo_tools: 2.8%"),
+        (0.002, "start of grpo.py (no tools): 0.2%"),
+    ]
+    assert lines[0][2] != lines[1][2]
