@@ -22,9 +22,10 @@ Departures from the paper:
 4. The gradient of the k3 penalty estimates the gradient of KL(pi_ref || pi), not of KL(pi || pi_ref): see compute_loss.
 5. Each rollout batch is split into num_minibatches minibatches, one AdamW step each, for num_epochs passes (the
    paper's mu); gradients are clipped.
-6. TOOLS: every change against grpo.py is tagged so; tools.py holds the calculator and the two call formats.
+6. TOOLS: every change against grpo.py is tagged so; tools.py holds the calculator and the three call formats.
 """
 
+import math
 import os
 import random
 import time
@@ -242,18 +243,18 @@ class Conversations:
 
 @torch.no_grad()
 def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, temperature: float) -> Conversations:
-    """A turn at a time for the whole batch: the model continues every unfinished conversation until EOS, the close of
-    a tool call (tool_format.stop_ids) or the budget; each call is run and its answer's ids appended. The context of a
-    turn is the previous context plus the new ids, so the ids already sampled never change."""
+    """A round at a time for the whole batch: the model continues every unfinished conversation until EOS, a stop id of
+    the call format (tool_format.stop_ids) or the budget; a call is run and its answer's ids appended. A turn of the
+    model ends at EOS or at a call; a stop id without a call (an "=" after no arithmetic) does not end it, the model
+    goes on with the same turn. The context of a round is the previous context plus the new ids, so the ids already
+    sampled never change. Every round writes at least one id to each open conversation: at most --max-new-tokens rounds."""
     B, eos_ids = len(prompt_ids), common.eos_token_ids(policy, tokenizer)
     prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
     written, by_model = [[] for _ in range(B)], [[] for _ in range(B)]  # the ids after each prompt; whether sampled
-    transcripts, final_turns, truncated = [[] for _ in range(B)], [""] * B, [False] * B
+    transcripts, turn_texts, replies, truncated = [[] for _ in range(B)], [""] * B, [""] * B, [False] * B
     calls, errors, turns = [0] * B, [0] * B, [0] * B
     finished = torch.zeros(B, dtype=torch.bool)
-    for turn in range(args.max_turns):
-        if dist.true_on_every_rank(finished.all()):  # under torchrun every rank takes as many turns as the longest one
-            break
+    while not dist.true_on_every_rank(finished.all()):  # under torchrun every rank takes as many rounds as the longest
         # the contexts, left-padded; finished rows ride along as padding, so that every rank runs every forward pass
         contexts = [torch.tensor([p + w]) for p, w in zip(prompts, written)]
         context_ids = common.cat_padded(contexts, tokenizer.pad_token_id, left=True).to(prompt_ids.device)
@@ -262,29 +263,31 @@ def rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, tempe
         left = int(dist.all_reduce(torch.tensor(left), "max"))  # the same on every rank: they generate in step
         ids, mask, _ = common.generate(
             policy, tokenizer, context_ids, context_mask, left, temperature, tool_format.stop_ids, finished
-        )  # (B, t) this turn's ids, through each row's first EOS or call close
+        )  # (B, t) this round's ids, through each row's first EOS or stop id
         for i in torch.nonzero(~finished).flatten().tolist():
             sampled = ids[i][mask[i]].tolist()[: args.max_new_tokens - len(written[i])]  # within the whole budget
-            written[i], by_model[i], turns[i] = written[i] + sampled, by_model[i] + [True] * len(sampled), turns[i] + 1
+            written[i], by_model[i] = written[i] + sampled, by_model[i] + [True] * len(sampled)
             ended_by_eos = sampled[-1] in eos_ids
-            text = tokenizer.decode(sampled[:-1] if ended_by_eos else sampled)  # this turn, without its EOS
-            final_turns[i] = final_turns[i] + text if tool_format.inline else text
-            transcripts[i].append({"model": tokenizer.decode(sampled)})
-            call = tool_format.find_call(text)
-            if not ended_by_eos and sampled[-1] not in tool_format.stop_ids:  # cut by the budget
-                finished[i], truncated[i] = True, True
-            elif call is None:  # the model answered (or, at a stop without a call, goes on in the next turn)
-                finished[i] = ended_by_eos
-            elif turn == args.max_turns - 1 or len(written[i]) == args.max_new_tokens:  # no turn or no room for an answer
-                finished[i], truncated[i] = True, True
-            else:  # run the tool (never raises: failures come back as text) and append its answer's ids
+            text = tokenizer.decode(sampled[:-1] if ended_by_eos else sampled)  # without its EOS
+            turn_texts[i], replies[i] = turn_texts[i] + text, replies[i] + text
+            transcripts[i].append({"model": tokenizer.decode(sampled)})  # this round's ids (a turn has one or more)
+            # a call is read where the format answers one: after a call's stop id, or the template's end-of-turn token;
+            # at a stop without a call, the same turn goes on in the next round
+            call = tool_format.find_call(turn_texts[i]) if sampled[-1] in tool_format.call_ends else None
+            out_of_room = len(written[i]) == args.max_new_tokens
+            if call is None and (ended_by_eos or out_of_room):  # the model answered, or the budget cut it off
+                finished[i], truncated[i], turns[i] = True, not ended_by_eos, turns[i] + 1
+            elif call is not None and (turns[i] + 1 == args.max_turns or out_of_room):  # no turn or room for an answer
+                finished[i], truncated[i], turns[i] = True, True, turns[i] + 1
+            elif call is not None:  # run the tool (never raises: failures come back as text) and append its answer's ids
                 result, failed = tools.run_tool(tools.TOOLS, *call)
-                calls[i], errors[i] = calls[i] + 1, errors[i] + failed
+                calls[i], errors[i], turns[i] = calls[i] + 1, errors[i] + failed, turns[i] + 1
                 answer = tool_format.result_ids(result)[: args.max_new_tokens - len(written[i])]
                 written[i], by_model[i] = written[i] + answer, by_model[i] + [False] * len(answer)
                 transcripts[i].append({"tool": tokenizer.decode(answer)})
-                final_turns[i] += tokenizer.decode(answer) if tool_format.inline else ""
+                turn_texts[i], replies[i] = "", replies[i] + tokenizer.decode(answer)
                 finished[i] = truncated[i] = len(written[i]) >= args.max_new_tokens
+    final_turns = replies if tool_format.inline else turn_texts  # inline: the whole reply, the tool's results included
     as_tensor = lambda rows, pad: common.cat_padded([torch.tensor([r]) for r in rows], pad).to(prompt_ids.device)  # (B, T)
     return Conversations(
         completion_ids=as_tensor(written, tokenizer.pad_token_id),
@@ -319,26 +322,40 @@ def tool_metrics(conversations: Conversations, correct: torch.Tensor, prefix: st
     return metrics
 
 
-def evaluate(policy, tokenizer, tool_format, task, args, num_samples: int = 4) -> dict:
-    """common.evaluate with tools: greedy conversations on the held-out split (under torchrun each rank takes a share),
-    their accuracy and tool metrics, and every turn of the first `num_samples` of them for samples.jsonl."""
-    rows = torch.arange(len(task.eval)).tensor_split(dist.world_size())[dist.rank()].tolist()
-    batch, device = task.eval[rows], next(policy.parameters()).device
-    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, batch["prompt"], device)
-    conversations = rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, temperature=0.0)
-    correct = task.reward(conversations.final_turns, batch["answer"]).to(device)
-    metrics = common.pool_metrics([{"eval/accuracy": correct, **tool_metrics(conversations, correct, "eval")}])
+def evaluate(policy, tokenizer, tool_format, task, args, num_samples: int = 4, batch_size: int = 512) -> dict:
+    """common.evaluate with tools: greedy conversations on the held-out split, `batch_size` at a time (under torchrun
+    each rank takes a share, in as many batches as every other rank), their accuracy and tool metrics, and every turn of
+    the first `num_samples` of them for samples.jsonl. With --eval-samples N, pass@k of whole conversations, N per
+    problem at --temperature, about `batch_size` conversations at a time (see common.sampled_pass_at_k)."""
+    device = next(policy.parameters()).device
+    rows = torch.arange(len(task.eval)).tensor_split(dist.world_size())[dist.rank()]  # under torchrun: this rank's share
+    per_batch = {"greedy": batch_size, "sampled": max(1, batch_size // max(1, args.eval_samples))}  # problems per batch
+    metrics, samples, pass_samples = [], [], []
+    num_batches = math.ceil(math.ceil(len(task.eval) / dist.world_size()) / per_batch["greedy"])  # the same on every rank
+    for part in rows.tensor_split(num_batches):
+        batch = task.eval[part.tolist()]
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, batch["prompt"], device)
+        conversations = rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, temperature=0.0)
+        correct = task.reward(conversations.final_turns, batch["answer"]).to(device)
+        metrics.append({"eval/accuracy": correct, **tool_metrics(conversations, correct, "eval")})
+        fields = zip(batch["prompt"], conversations.transcripts, batch["answer"], correct.tolist())
+        samples += [{"prompt": p, "turns": t, "answer": a, "reward": r} for p, t, a, r in fields][: num_samples - len(samples)]
     if args.eval_samples:  # pass@k of whole conversations, args.eval_samples per problem at --temperature (see common)
         n = args.eval_samples
+        num_batches = math.ceil(math.ceil(len(task.eval) / dist.world_size()) / per_batch["sampled"])
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(dist.rank())  # every evaluation draws the same random numbers, training's stay untouched
-            ids, mask = prompt_ids.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
-            sampled = rollout(policy, tokenizer, tool_format, ids, mask, args, args.temperature)
-        num_correct = task.reward(sampled.final_turns, [a for a in batch["answer"] for _ in range(n)]).view(-1, n).sum(dim=1)
-        metrics.update(common.pool_metrics([common.pass_at_k_samples(num_correct, n)]))
-    fields = zip(batch["prompt"], conversations.transcripts, batch["answer"], correct.tolist())
-    samples = [{"prompt": p, "turns": t, "answer": a, "reward": r} for p, t, a, r in list(fields)[:num_samples]]
-    return {**metrics, "samples": samples}
+            for part in rows.tensor_split(num_batches):
+                batch = task.eval[part.tolist()]
+                prompts, answers = (
+                    [p for p in batch["prompt"] for _ in range(n)],
+                    [a for a in batch["answer"] for _ in range(n)],
+                )
+                prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # each problem's n contiguous
+                sampled = rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, args, args.temperature)
+                num_correct = task.reward(sampled.final_turns, answers).view(-1, n).sum(dim=1)
+                pass_samples.append(common.pass_at_k_samples(num_correct, n))
+    return {**common.pool_metrics(metrics + pass_samples), "samples": samples}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -358,17 +375,10 @@ if __name__ == "__main__":
     policy = models.load_model(
         args.model_name_or_path, args.cache_dir, device, args.task, lora.base_dtype(args, device)
     )  # float32, or with --lora-rank the frozen weights in --lora-base-dtype
-    # TOOLS: the prompts are rendered after the model loads, since its EOS ids are where a turn stops.
-    # TOOLS: a chat model calls in its turns and hears back in tool messages (or inline); the built-in model writes <...>
-    chat = args.chat_template != "none" and bool(tokenizer.chat_template)
-    args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)
-    call_format = {"compact": tools.CompactFormat, "inline": tools.InlineFormat}.get(args.tool_format, tools.ChatFormat)
-    tool_format = call_format(tokenizer, common.eos_token_ids(policy, tokenizer))  # where turns stop, calls, answers
-    # a template that knows tools describes the calculator itself (from its docstring); otherwise the system message does
-    template_tools = [tools.calculator] if args.tool_format == "chat" and "tools" in str(tokenizer.chat_template) else None
-    instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
-    instruction = instruction if template_tools else f"{instruction} {getattr(tool_format, 'INSTRUCTION', '')}".strip()
-    task = tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction, template_tools)
+    # TOOLS: the prompts are rendered after the model loads, since its EOS ids are where a turn stops: a chat model calls
+    # in its turns and hears back in tool messages (or inline), the built-in model writes <...>; the call format's
+    # instruction joins the task's in the system message, unless the template describes the calculator itself
+    tool_format, task = tools.format_and_prompts(args, task, tokenizer, common.eos_token_ids(policy, tokenizer))
     if args.gradient_checkpointing:
         models.enable_gradient_checkpointing(policy)
     if args.lora_rank:  # train a low-rank adapter on the frozen weights instead of every weight

@@ -15,17 +15,20 @@ The three call formats (one rollout loop, see grpo_tools.py):
 - CompactFormat, for the built-in model and its character vocabulary: the model writes <347*86>, which ends its turn
   (the ">" is a stop token), and the environment appends the answer in brackets, [29842].
 - ChatFormat, for a chat model: the model ends its turn as usual (end-of-turn token) with a call in it, <calc>347 *
-  86</calc> (or a <tool_call>{"name": ..., "arguments": ...}</tool_call> of a template that knows tools); the
-  environment appends the answer as a `tool` message rendered by the model's own chat template, followed by the opening
-  of the next assistant turn. Only that suffix is tokenized: the ids already in the context never change.
-- InlineFormat, for a chat model that writes arithmetic but no call format (SmolLM2-135M-Instruct, see docs/tools.md):
-  in the spirit of Toolformer (Schick et al. 2023), the model writes "347 * 86 =" in its reply, the turn stops at the
-  "=", and the calculator writes " 29842" into the reply; the model goes on from there.
+  86</calc>, or, with a template that knows tools, a call in that template's own format (Qwen/Hermes, Llama 3.x or
+  Mistral, read_json_call); the environment appends the answer as a `tool` message rendered by the model's own chat
+  template, followed by the opening of the next assistant turn. Only that suffix is tokenized: the ids already in the
+  context never change.
+- InlineFormat, for a chat model that writes arithmetic but no call format: in the spirit of Toolformer (Schick et al.
+  2023), the model writes "347 * 86 =" in its reply, the turn stops at the "=", and the calculator writes " 29842" into
+  the reply; the model goes on from there.
 """
 
 import json
 import re
 from fractions import Fraction
+
+import tasks
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The calculator: arithmetic parsed by hand, every resource bounded
@@ -151,6 +154,8 @@ TOOLS = {"calculator": calculator}  # the tools a model may call, by name
 def run_tool(tools: dict, name: str | None, arguments: dict) -> tuple[str, bool]:
     """Call the tool `name` with `arguments`: (its answer, whether it failed). Nothing a tool does can stop the run: an
     unknown tool, wrong arguments or any exception come back as the answer "error: ...", to be shown to the model."""
+    if name is None:
+        return "error: the call could not be read", True
     if name not in tools:
         return f"error: unknown tool {re.sub(r'[^A-Za-z0-9_]', '', str(name))[:40]}", True
     try:
@@ -175,6 +180,7 @@ class CompactFormat:
     def __init__(self, tokenizer, eos_ids=()):
         self.tokenizer = tokenizer
         self.stop_ids = tokenizer(">", add_special_tokens=False).input_ids  # a turn also ends where a call closes
+        self.call_ends = self.stop_ids  # the ids after which a call is answered
         marks = [tokenizer(c, add_special_tokens=False).input_ids for c in "<>[]"]
         if any(len(ids) != 1 or ids[0] == tokenizer.unk_token_id for ids in marks):
             raise SystemExit(
@@ -192,53 +198,111 @@ class CompactFormat:
         return self.tokenizer(f"[{result}]", add_special_tokens=False).input_ids
 
 
+PROBE_CALL_ID = "call00001"  # a tool call's id where a template wants one (Mistral's: nine letters or digits)
+
+
+def read_json_call(turn: str) -> tuple[str | None, dict] | None:
+    """A call written in the format of a chat template that knows tools, as (tool name, arguments); None when the turn
+    holds no such call, (None, {}) when it holds one that cannot be read (not JSON, no name, arguments not an object).
+    The formats of the major template families (one call per turn: the first is run):
+    - Qwen2.5 and Hermes: <tool_call>{"name": "calculator", "arguments": {"expression": "347 * 86"}}</tool_call>
+    - Llama 3.x: the turn is one JSON object, {"name": "calculator", "parameters": {...}}, after <|python_tag|> or not
+    - Mistral: [TOOL_CALLS] [{"name": "calculator", "arguments": {...}, "id": "..."}], or [TOOL_CALLS]calculator[ARGS]{...}
+    Arguments may also come as JSON text of an object, as OpenAI's API writes them."""
+    if match := re.search(r"<tool_call>(.*?)</tool_call>", turn, re.DOTALL):
+        text = match.group(1)
+    elif "[TOOL_CALLS]" in turn:
+        text = turn.split("[TOOL_CALLS]", 1)[1]
+        if "[ARGS]" in text:  # Mistral's later tokenizers: the name, then the arguments
+            name, _, arguments = text.partition("[ARGS]")
+            text = json.dumps({"name": name.strip(), "arguments": arguments.strip()})
+    elif (bare := turn.replace("<|python_tag|>", "").strip()).startswith("{") and bare.endswith("}") and '"name"' in bare:
+        text = bare
+    else:
+        return None
+    try:  # model text: json.loads reads it without running it; too deep a nesting raises, and is caught
+        call = json.loads(text)
+        call = call[0] if isinstance(call, list) else call
+        arguments = call.get("arguments", call.get("parameters", {}))
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        if not isinstance(call["name"], str) or not isinstance(arguments, dict):
+            return None, {}
+        return call["name"], arguments
+    except Exception:  # not JSON, not a name and arguments
+        return None, {}
+
+
 class ChatFormat:
     """For a chat model: a call inside the assistant's turn, which ends with the end-of-turn token as every turn does;
-    the answer comes back as a `tool` message of the model's chat template. The ids the environment appends are the
-    text the template adds after the model's end-of-turn token: the rest of that turn's closing, the tool message, and
-    the opening of the next assistant turn."""
+    the answer comes back as a `tool` message of the model's chat template. The call is <calc>347 * 86</calc>, or, for a
+    template that knows tools (`tools` given: it describes them to the model itself), the template's own format
+    (read_json_call), which is checked here at start-up: a template that writes calls in a format this file does not
+    read is refused in one line, instead of a run that never sees a call. The ids the environment appends are the text
+    the template adds after the model's end-of-turn token: the rest of that turn's closing, the tool message, and the
+    opening of the next assistant turn. A call is answered only in a turn that ends with that end-of-turn token
+    (`call_ends`); a turn that ends with another of the model's EOS ids (end of text) ends the conversation."""
 
-    CALL = re.compile(r"<calc>(.*?)</calc>|<tool_call>(.*?)</tool_call>", re.DOTALL)
+    CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
     inline = False  # the verifier reads the model's last turn
     INSTRUCTION = (
         "You have a calculator. To use it, write <calc>EXPRESSION</calc>, for example <calc>12 * 34</calc>, and end your "
         "reply; its result comes back in the next message, and you continue from there."
     )
 
-    def __init__(self, tokenizer, eos_ids: list[int]):
-        self.tokenizer, self.stop_ids = tokenizer, []
-        marker_a, marker_t = "\x00ASSISTANT\x00", "\x00TOOL\x00"
-        conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker_a}]
-        conversation.append({"role": "tool", "content": marker_t})
+    def __init__(self, tokenizer, eos_ids: list[int], tools: list | None = None):
+        self.tokenizer, self.eos_ids, self.tools, self.stop_ids = tokenizer, eos_ids, tools, []
+        self.special = [t for t in tokenizer.added_tokens_decoder.values() if t.special]  # never inside a tool's answer
+        turn, after_turn, self.call_ends = self.render("1 + 1", "2")
+        if self.find_call(turn) != ("calculator", {"expression": "1 + 1"}):  # (only a template's own format can fail)
+            raise SystemExit(
+                f"the model's chat template writes a tool call as {turn[:80]!r}, a format tools.py does not read (Qwen/Hermes "
+                "<tool_call>, Llama 3.x JSON, Mistral [TOOL_CALLS]): use --tool-format inline, or add the format to "
+                "tools.read_json_call"
+            )
+
+    def render(self, expression: str, result: str) -> tuple[str, str, list[int]]:
+        """A call of the calculator and its answer, rendered by the chat template after a user turn: the model's turn
+        (the call, without its end-of-turn token), the text after that token (tool message and next assistant turn's
+        opening), and the end-of-turn token's id."""
+        user = [{"role": "user", "content": "?"}]
+        if self.tools:  # the template writes the call itself
+            call = {"name": "calculator", "arguments": {"expression": expression}}
+            calls = [{"type": "function", "id": PROBE_CALL_ID, "function": call}]
+            assistant = {"role": "assistant", "content": "", "tool_calls": calls}
+        else:
+            assistant = {"role": "assistant", "content": f"<calc>{expression}</calc>"}
+        tool = {"role": "tool", "content": result, "tool_call_id": PROBE_CALL_ID, "name": "calculator"}
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            head = self.tokenizer.apply_chat_template(user, tools=self.tools, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                [*user, assistant, tool], tools=self.tools, tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # e.g. a template that allows only user and assistant turns
             raise SystemExit(f"the model's chat template cannot render a tool message ({type(e).__name__}: {e})") from None
-        after_turn = text[text.index(marker_a) + len(marker_a) :]  # the model's end-of-turn token, then the template's
-        eos = [e for e in (tokenizer.decode([i]) for i in eos_ids) if after_turn.startswith(e)]
-        if not eos or after_turn.count(marker_t) != 1:
+        ends = [(text.find(self.tokenizer.decode([i]), len(head)), i) for i in self.eos_ids]
+        ends = sorted((at, i) for at, i in ends if at >= 0)
+        if not text.startswith(head) or not ends or result not in text[ends[0][0] :]:
             raise SystemExit(
                 "the model's chat template does not end a turn with its end-of-turn token and then show a tool message"
             )
-        self.before, self.after = after_turn[len(eos[0]) :].split(marker_t)  # around the tool's answer
-        self.special = [t for t in tokenizer.added_tokens_decoder.values() if t.special]  # never inside a tool's answer
+        at, end_id = ends[0]
+        return text[len(head) : at], text[at + len(self.tokenizer.decode([end_id])) :], [end_id]
 
-    def find_call(self, turn: str) -> tuple[str, dict] | None:
+    def find_call(self, turn: str) -> tuple[str | None, dict] | None:
+        """The call in this turn of the model, as (tool name, arguments); None: the model answered."""
         match = self.CALL.search(turn)
-        if match is None:
-            return None
-        if match.group(1) is not None:
+        if match is not None:
             return "calculator", {"expression": match.group(1).strip()}
-        try:  # a template that knows tools: {"name": ..., "arguments": {...}}
-            call = json.loads(match.group(2))
-            return str(call["name"]), dict(call.get("arguments") or {})
-        except Exception:  # not JSON, too deeply nested, not a name and arguments
-            return None, {}  # run_tool answers: error, unknown tool
+        return read_json_call(turn)
+
+    def call_text(self, expression: str) -> str:
+        """The model's turn that calls the calculator on `expression`, as the template writes it (for demonstrations)."""
+        return self.render(expression, "0")[0]
 
     def result_ids(self, result: str) -> list[int]:
         for token in self.special:  # a tool's answer cannot close the message or open a turn, whatever it echoes
             result = result.replace(token.content, "")
-        return self.tokenizer(self.before + result + self.after, add_special_tokens=False).input_ids
+        return self.tokenizer(self.render("1 + 1", result)[1], add_special_tokens=False).input_ids
 
 
 class InlineFormat:
@@ -255,6 +319,7 @@ class InlineFormat:
         self.tokenizer = tokenizer
         special = set(tokenizer.all_special_ids)
         self.stop_ids = [i for i in range(len(tokenizer)) if i not in special and tokenizer.decode([i]).endswith("=")]
+        self.call_ends = self.stop_ids  # the ids after which a call is answered
 
     def find_call(self, turn: str) -> tuple[str, dict] | None:
         match = self.CALL.search(turn)
@@ -262,3 +327,22 @@ class InlineFormat:
 
     def result_ids(self, result: str) -> list[int]:
         return self.tokenizer(" " + result, add_special_tokens=False).input_ids
+
+
+def format_and_prompts(args, task, tokenizer, eos_ids: list[int]):
+    """The call format of --tool-format (auto: chat for a model with a chat template, else compact), and the task with
+    its prompts rendered for it (tasks.apply_chat_template): the system message is --instruction (else the task's), then
+    the format's INSTRUCTION, which tells the model how to call. A template that knows tools (one that renders `tools`,
+    like Qwen2.5's or Llama 3.2's) gets the calculator itself instead, its JSON schema read by transformers from the
+    function's docstring and type hints, and the model calls in the template's own format. Sets args.tool_format to the
+    format chosen. Used by grpo_tools.py and sft_tools.py alike, so that the warm-up's prompts are RL's."""
+    chat = args.chat_template != "none" and bool(tokenizer.chat_template)
+    args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)
+    template_tools = [calculator] if args.tool_format == "chat" and "tools" in str(tokenizer.chat_template) else None
+    if args.tool_format == "chat":
+        tool_format = ChatFormat(tokenizer, eos_ids, template_tools)
+    else:
+        tool_format = {"compact": CompactFormat, "inline": InlineFormat}[args.tool_format](tokenizer, eos_ids)
+    instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
+    instruction = instruction if template_tools else f"{instruction} {getattr(tool_format, 'INSTRUCTION', '')}".strip()
+    return tool_format, tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction, template_tools)

@@ -5,7 +5,9 @@ loss mask, the ids already sampled never changed), and the loss unaffected by th
 import json
 import random
 import time
+import types
 
+import datasets
 import pytest
 import torch
 from test_smoke import rows, run_here
@@ -15,6 +17,7 @@ import grpo_tools
 import sft
 import tasks
 import tools
+from plumbing import models
 
 
 def answer(expression: str) -> tuple[str, bool]:
@@ -126,17 +129,18 @@ class Args:
 
 
 def scripted_generate(turns: dict, contexts: list):
-    """A stand-in for common.generate: row i's k-th turn is the text turns[i][k] (EOS written "$"); every context it is
-    called with is kept in `contexts`."""
+    """A stand-in for common.generate: row i's k-th call writes the text turns[i][k] (EOS written "$", special tokens as
+    themselves), through its first EOS of the model or stop id; every context it is called with is kept in `contexts`."""
     calls = [0]
 
     def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids=(), done=None):
         contexts.append([ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)])
         k, calls[0] = calls[0], calls[0] + 1
         texts = [turns[i][k] if not done[i] and k < len(turns[i]) else "" for i in range(len(prompt_ids))]
-        ids = [tokenizer(t.replace("$", "<eos>"), add_special_tokens=False).input_ids for t in texts]
-        ids = common.cat_padded([torch.tensor([i or [tokenizer.pad_token_id]]) for i in ids], tokenizer.pad_token_id)
-        mask = common.completion_mask(ids, [tokenizer.eos_token_id, *stop_ids]) & (ids != tokenizer.pad_token_id)
+        rows = [tokenizer(t.replace("$", tokenizer.eos_token), add_special_tokens=False).input_ids for t in texts]
+        ids = common.cat_padded([torch.tensor([r or [tokenizer.pad_token_id]]) for r in rows], tokenizer.pad_token_id)
+        written = torch.arange(ids.shape[1]) < torch.tensor([[len(r)] for r in rows])  # (B, T)
+        mask = common.completion_mask(ids, [*common.eos_token_ids(model, tokenizer), *stop_ids]) & written
         return ids, mask, torch.zeros(len(ids), dtype=torch.bool)
 
     return generate
@@ -212,9 +216,326 @@ def test_the_inline_format_completes_arithmetic_in_the_reply(monkeypatch):
     prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["12*3=", "7+0="], torch.device("cpu"))
     out = grpo_tools.rollout(None, tokenizer, inline, prompt_ids, prompt_mask, Args, 1.0)
     assert out.final_turns == ["so 12*3= 36 it is", "so 7=7"]
-    assert out.tool_calls.tolist() == [1, 0] and out.turns.tolist() == [2, 2]
+    assert out.tool_calls.tolist() == [1, 0] and out.turns.tolist() == [2, 1]  # "so 7=" is no call: one turn, "so 7=7"
     assert out.by_model.sum(dim=1).tolist() == [len("so 12*3= it is$"), len("so 7=7$")]
     assert (out.valid & ~out.by_model).sum(dim=1).tolist() == [len(" 36"), 0]
+
+
+@pytest.mark.parametrize("call_format", [tools.CompactFormat, tools.InlineFormat])
+def test_a_stop_without_a_call_at_the_last_budgeted_id_ends_the_conversation(monkeypatch, call_format):
+    """A turn that stops on a stop id without a call (">" after no "<", "=" after no arithmetic) exactly at the last id
+    of the budget: nothing is left to write, so the conversation ends, cut by the budget (no crash on an empty turn)."""
+    tokenizer = sft.build_tokenizer(sft.TOOL_CHARS)
+    stray = {tools.CompactFormat: "ab>", tools.InlineFormat: "ab="}[call_format]
+    contexts = []
+    monkeypatch.setattr(common, "generate", scripted_generate({0: [stray, "c$"]}, contexts))
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1*2="], torch.device("cpu"))
+
+    class Short(Args):
+        max_new_tokens = 3
+
+    out = grpo_tools.rollout(None, tokenizer, call_format(tokenizer), prompt_ids, prompt_mask, Short, 1.0)
+    assert len(contexts) == 1 and out.truncated.tolist() == [True] and out.by_model.sum().item() == 3
+    assert out.final_turns == [stray] and out.turns.tolist() == [1]
+
+
+def test_a_stop_without_a_call_does_not_end_the_turn(monkeypatch):
+    """The rule: a turn ends at EOS or at a call. A stop id without a call is part of the turn, which goes on in the
+    next round without using up one of --max-turns; the verifier reads the whole turn, the text before the stray stop
+    included. (With one turn allowed, "1>" then "2" is one turn, answered "1>2", not cut.)"""
+    tokenizer = sft.build_tokenizer(sft.TOOL_CHARS)
+    turns = {0: ["1>", "2$"], 1: ["<2*3>", "6$"]}  # a stray stop, then the answer; a call in the only allowed turn
+    monkeypatch.setattr(common, "generate", scripted_generate(turns, []))
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["1*2=", "2*3="], torch.device("cpu"))
+
+    class OneTurn(Args):
+        max_turns = 1
+
+    out = grpo_tools.rollout(None, tokenizer, tools.CompactFormat(tokenizer), prompt_ids, prompt_mask, OneTurn, 1.0)
+    assert out.final_turns == ["1>2", "<2*3>"] and out.turns.tolist() == [1, 1]
+    assert out.truncated.tolist() == [False, True] and out.tool_calls.tolist() == [0, 0]
+    assert out.transcripts[0] == [{"model": "1>"}, {"model": "2<eos>"}]  # one turn, written in two rounds
+
+
+def test_a_call_is_answered_only_after_the_templates_end_of_turn_token(monkeypatch):
+    """A chat model has several EOS ids (Qwen: <|im_end|> ends a turn, <|endoftext|> the text). The template renders a
+    tool message after <|im_end|> only: a call in a turn that ends with <|endoftext|> is not answered (an answer there
+    would be off-template), and the conversation ends."""
+    tokenizer, eos = family_tokenizer("qwen")
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=eos))
+    chat = tools.ChatFormat(tokenizer, eos)
+    assert tokenizer.convert_ids_to_tokens(chat.call_ends) == ["<|im_end|>"]
+    turns = {0: ["<calc>2*3</calc><|endoftext|>"], 1: ["<calc>2*3</calc><|im_end|>", "6<|im_end|>"]}
+    monkeypatch.setattr(common, "generate", scripted_generate(turns, []))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2*3?"}], tokenize=False, add_generation_prompt=True)
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [prompt, prompt], torch.device("cpu"))
+
+    class Long(Args):
+        max_new_tokens = 200  # one id per byte
+
+    out = grpo_tools.rollout(model, tokenizer, chat, prompt_ids, prompt_mask, Long, 1.0)
+    assert out.tool_calls.tolist() == [0, 1] and out.turns.tolist() == [1, 2] and out.truncated.tolist() == [False, False]
+    assert out.final_turns == ["<calc>2*3</calc>", "6"]
+    assert out.transcripts[1][1] == {
+        "tool": "\n<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    }
+
+
+def test_the_update_scores_each_sampled_id_with_the_log_prob_it_was_sampled_with(tool_model_dir, monkeypatch):
+    """Across turns, the training pass over the whole conversation (prompt, the model's ids and the tool's answers, as
+    grpo_tools.py builds input_ids and attention_mask) gives every id the model sampled the log-prob it was sampled with
+    (common.generate, turn by turn with a KV cache): on-policy, the ratio of the first update is 1 on every model id.
+    Tolerance: float32 logits of a 4-layer model, computed with and without a KV cache, differ by rounding (~1e-6); a
+    shifted or misaligned id differs by whole nats."""
+    model, tokenizer = models.load_model_and_tokenizer(tool_model_dir, "", torch.device("cpu"), "multiplication")
+    generate, sampled_logprobs = common.generate, []
+
+    def recording_generate(*args, **kwargs):
+        ids, mask, truncated, logprobs = generate(*args, **kwargs, return_logprobs=True)
+        sampled_logprobs.append((mask, logprobs))
+        return ids, mask, truncated
+
+    monkeypatch.setattr(common, "generate", recording_generate)
+    torch.manual_seed(0)
+    task = tasks.make_task("multiplication")
+    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, task.eval["prompt"][:64], torch.device("cpu"))
+    out = grpo_tools.rollout(model, tokenizer, tools.CompactFormat(tokenizer), prompt_ids, prompt_mask, Args, 1.0)
+    assert out.tool_calls.sum() > 0 and len(sampled_logprobs) > 1  # multi-turn conversations among them
+    expected = [[] for _ in range(len(prompt_ids))]  # each row's sampled log-probs, in order, turn after turn
+    for mask, logprobs in sampled_logprobs:
+        for i in range(len(prompt_ids)):
+            expected[i] += logprobs[i][mask[i]].tolist()
+    input_ids = torch.cat([prompt_ids, out.completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, out.valid.long()], dim=1)
+    T = out.completion_ids.shape[1]
+    with torch.no_grad():
+        scored, _ = common.completion_logprobs(model, input_ids, attention_mask, T, 1.0)
+    for i in range(len(prompt_ids)):
+        n = int(out.by_model[i].sum())  # the sampled ids kept within the budget
+        assert torch.allclose(scored[i][out.by_model[i]], torch.tensor(expected[i][:n]), atol=1e-4, rtol=0)
+
+
+def test_the_evaluation_runs_in_batches_and_estimates_pass_at_k_without_bias(monkeypatch):
+    """10 held-out problems, 4 conversations per batch: greedy in batches of 4, 3 and 3; with --eval-samples 2, in
+    batches of 2 problems (4 conversations). Each problem's first sampled answer is right and its second wrong (c = 1 of
+    n = 2): the unbiased pass@1 is 1/2 and pass@2 is 1 (Chen et al. 2021); the plug-in 1 - (1 - c/n)^2 would say 0.75."""
+    tokenizer = sft.build_tokenizer(sft.TOOL_CHARS)
+    model = sft.build_tiny_model(tokenizer)
+    sizes = []
+
+    def answering_generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids=(), done=None):
+        sizes.append(len(prompt_ids))
+        prompts = [tokenizer.decode(ids[m.bool()]) for ids, m in zip(prompt_ids, prompt_mask)]
+        products = [eval_product(p) for p in prompts]
+        texts = [f"{p}$" if temperature == 0 or row % 2 == 0 else f"{p + 1}$" for row, p in enumerate(products)]
+        return scripted_generate({i: [t] for i, t in enumerate(texts)}, [])(
+            model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, done
+        )
+
+    eval_product = lambda prompt: int(prompt[:-1].split("*")[0]) * int(prompt[:-1].split("*")[1])
+    monkeypatch.setattr(common, "generate", answering_generate)
+    problems = datasets.Dataset.from_dict(
+        {"prompt": [f"{a}*7=" for a in range(10)], "answer": [str(7 * a) for a in range(10)]}
+    )
+    task = tasks.Task("multiplication", problems, problems, tasks.multiplication_answer)
+
+    class EvalArgs(Args):
+        eval_samples, temperature = 2, 1.0
+
+    metrics = grpo_tools.evaluate(model, tokenizer, tools.CompactFormat(tokenizer), task, EvalArgs, batch_size=4)
+    assert sizes == [4, 3, 3, 4, 4, 4, 4, 4]
+    assert metrics["eval/accuracy"] == 1.0 and metrics["eval/pass@1"] == 0.5 and metrics["eval/pass@2"] == 1.0
+
+
+# --- chat templates that know tools: each family's call format ---------------------------------------------------------
+
+# The tool sections of three template families, shortened from the public templates of Qwen2.5-Instruct (Hermes-style
+# <tool_call>), Llama-3.2-Instruct (a bare JSON object with "parameters", the answer in an `ipython` message) and
+# Mistral-7B-Instruct-v0.3 ([TOOL_CALLS] and [TOOL_RESULTS], nine-character call ids): the calls and tool messages are
+# written as those templates write them; the system prompts' wording is cut.
+QWEN_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a "
+    "helpful assistant.{% endif %}{{ '\\n' }}\n# Tools\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
+    "</tools>\n\nFor each function call, return "
+    'a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}{{ '\\n' }}{{ message.content }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}{% set tool_call = tool_call.function %}{{ '\\n' }}<tool_call>\n"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}'
+    "<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}<|start_header_id|>system<|end_header_id|>\n\n{% if tools %}Environment: ipython\n{% endif %}"
+    "Cutting Knowledge Date: December 2023\n\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}"
+    "<|eot_id|>"
+    "{% for message in messages if message.role != 'system' %}"
+    "{% if message.role == 'user' and loop.first and tools %}<|start_header_id|>user<|end_header_id|>\n\nGiven the "
+    "following functions, please respond with a JSON for a function call with its proper arguments that best answers "
+    'the given prompt.\n\nRespond in the format {"name": function name, "parameters": dictionary of argument name and '
+    "its value}. Do not use variables.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}"
+    "{{ message.content }}<|eot_id|>"
+    "{% elif message.role == 'assistant' and message.tool_calls %}{% set call = message.tool_calls[0].function %}"
+    '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "{{ call.name }}", "parameters": '
+    "{{ call.arguments | tojson }}}<|eot_id|>"
+    "{% elif message.role in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ message.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{% if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+    "{% set ns = namespace(last_user=0) %}{% for m in turns %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor %}{{ bos_token }}{% for message in turns %}"
+    "{% if message.role == 'user' %}{% if tools and loop.index0 == ns.last_user %}"
+    "[AVAILABLE_TOOLS] [{% for t in tools %}{{ t | tojson }}{% endfor %}][/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {% if system %}{{ system }}\n\n{% endif %}{{ message.content }}[/INST]"
+    "{% elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] ["
+    "{% for tc in message.tool_calls %}{% set out = tc.function | tojson %}{{ out[:-1] }}"
+    '{% if tc.id is not defined or tc.id | length != 9 %}{{ raise_exception("Tool call IDs should be alphanumeric '
+    'strings with length 9!") }}{% endif %}, "id": "{{ tc.id }}"}{% endfor %}]</s>'
+    "{% elif message.role == 'assistant' %}{{ message.content }}</s>"
+    '{% elif message.role == \'tool\' %}[TOOL_RESULTS] {"content": {{ message.content | string }}, "call_id": '
+    '"{{ message.tool_call_id }}"}[/TOOL_RESULTS]{% endif %}{% endfor %}'
+)
+UNKNOWN_TEMPLATE = (  # ChatML with calls written <function=NAME>{...}</function>: not a format tools.py reads
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for tc in message.tool_calls or [] %}<function={{ tc.function.name }}>{{ tc.function.arguments | tojson }}"
+    "</function>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if tools %}{# tools #}{% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FAMILIES = {  # template, its special tokens (the EOS ids first, the template's end-of-turn among them), BOS
+    "qwen": (QWEN_TEMPLATE, ["<|im_end|>", "<|endoftext|>", "<|im_start|>"], None),
+    "llama": (
+        LLAMA_TEMPLATE,
+        ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>"],
+        "<|begin_of_text|>",
+    ),
+    "mistral": (
+        MISTRAL_TEMPLATE,
+        [
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+        "<s>",
+    ),
+}
+NUM_EOS = {"qwen": 2, "llama": 3, "mistral": 1}
+
+
+def byte_tokenizer(template: str, special: list[str], bos: str | None):
+    """A byte-level tokenizer (every text round-trips, one id per byte) with the template's special tokens, EOS first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    kw = {"bos_token": bos} if bos else {}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=special[0], pad_token=special[0], additional_special_tokens=special[1:], **kw
+    )
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def family_tokenizer(family: str):
+    template, special, bos = FAMILIES[family]
+    tokenizer = byte_tokenizer(template, special, bos)
+    return tokenizer, tokenizer.convert_tokens_to_ids(special[: NUM_EOS[family]])
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama", "mistral"])
+def test_calls_in_a_templates_own_format_are_read_and_answered_on_template(family):
+    """A template that knows tools describes the calculator and has the model call in its own format; tools.ChatFormat
+    reads that format (Qwen/Hermes <tool_call>, Llama 3.x JSON with "parameters", Mistral [TOOL_CALLS]). A conversation
+    built in ids as grpo_tools.py builds it (the rendered prompt, the call turn through its end-of-turn token, the ids
+    of the tool's answer, the last turn) is, id for id, the template's rendering of the whole conversation."""
+    tokenizer, eos = family_tokenizer(family)
+    chat = tools.ChatFormat(tokenizer, eos, [tools.calculator])
+    call_turn = chat.call_text("347 * 86")
+    assert chat.find_call(call_turn) == ("calculator", {"expression": "347 * 86"})
+    result, failed = tools.run_tool(tools.TOOLS, *chat.find_call(call_turn))
+    assert (result, failed) == ("29842", False)
+    messages = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "What is 347 * 86?"}]
+    render = lambda m, prompt: tokenizer.apply_chat_template(
+        m, tools=[tools.calculator], tokenize=False, add_generation_prompt=prompt
+    )
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    built = encode(render(messages, True)) + encode(call_turn) + chat.call_ends + chat.result_ids(result)
+    built += encode("The answer is 29842.") + chat.call_ends
+    call = {"name": "calculator", "arguments": {"expression": "347 * 86"}}
+    messages += [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "id": tools.PROBE_CALL_ID, "function": call}],
+        },
+        {"role": "tool", "content": result, "tool_call_id": tools.PROBE_CALL_ID, "name": "calculator"},
+        {"role": "assistant", "content": "The answer is 29842."},
+    ]
+    rendered = encode(render(messages, False))
+    assert built == rendered[: len(built)] and tokenizer.decode(rendered[len(built) :]).strip() == ""  # (a closing "\n")
+
+
+@pytest.mark.parametrize(
+    "turn, call",
+    [
+        (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>',
+            ("calculator", {"expression": "2*3"}),
+        ),
+        ('{"name": "calculator", "parameters": {"expression": "2*3"}}', ("calculator", {"expression": "2*3"})),
+        ('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2*3"}}', ("calculator", {"expression": "2*3"})),
+        (
+            '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "2*3"}, "id": "a1b2c3d4e"}]',
+            ("calculator", {"expression": "2*3"}),
+        ),
+        ('[TOOL_CALLS]calculator[ARGS]{"expression": "2*3"}', ("calculator", {"expression": "2*3"})),
+        (
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>',
+            ("calculator", {"expression": "2*3"}),
+        ),
+        ("<calc>2*3</calc>", ("calculator", {"expression": "2*3"})),
+        ("<tool_call>{not json</tool_call>", (None, {})),
+        ('{"name": ["calculator"], "parameters": {}}', (None, {})),
+        ('[TOOL_CALLS] [{"name": "calculator", "arguments": [1]}]', (None, {})),
+        ("The answer is 6.", None),
+        ("{6}", None),
+    ],
+)
+def test_calls_as_models_write_them_in_each_family_are_read(turn, call):
+    """Calls written in each family's format, arguments as an object or (as OpenAI's API writes them) as JSON text;
+    a call that cannot be read comes back to the model as an error, and text without a call is an answer."""
+    tokenizer = sft.build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<eos>{% endfor %}"
+    chat = tools.ChatFormat(tokenizer, [tokenizer.eos_token_id])
+    assert chat.find_call(turn) == call
+    if call == (None, {}):
+        assert tools.run_tool(tools.TOOLS, *call) == ("error: the call could not be read", True)
+
+
+def test_a_template_whose_call_format_is_not_read_is_refused_in_one_line():
+    tokenizer = byte_tokenizer(UNKNOWN_TEMPLATE, ["<|im_end|>", "<|im_start|>"], None)
+    with pytest.raises(SystemExit, match=r"writes a tool call as '<function=calculator>.*a format tools.py does not read"):
+        tools.ChatFormat(tokenizer, [tokenizer.eos_token_id], [tools.calculator])
 
 
 # --- the loss is blind to the environment's tokens --------------------------------------------------------------------
@@ -348,11 +669,7 @@ def test_a_template_that_knows_tools_describes_the_calculator_from_its_docstring
     chat = tools.ChatFormat(tokenizer, [tokenizer.eos_token_id])
     call = chat.find_call('<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>')
     assert call == ("calculator", {"expression": "2*3"}) and tools.run_tool(tools.TOOLS, *call) == ("6", False)
-    assert tools.run_tool(tools.TOOLS, *chat.find_call("<tool_call>{not json</tool_call>")) == (
-        "error: unknown tool None",
-        True,
-    )
-    assert chat.before + "6" + chat.after == "\n<|im_start|>tool\n6<eos>\n<|im_start|>assistant\n"
+    assert chat.render("2*3", "6")[1] == "\n<|im_start|>tool\n6<eos>\n<|im_start|>assistant\n"  # after the call's <eos>
 
 
 def test_grpo_tools_logs_pass_at_k_of_whole_conversations(tool_run_flags, tmp_path, monkeypatch):
