@@ -1,6 +1,8 @@
 """The project's own rules, checked: each sibling's diff against grpo.py stays within its budget, common.py stays the
 small core a learner reads (at most 450 lines), product code holds no test hook, and the README is a front door (at
-most 220 lines, every relative link resolves, at least five pages of docs/ linked, every page of docs/ reachable)."""
+most 220 lines, every relative link and #anchor resolves, at least five pages of docs/ linked, every page of docs/
+reachable). What the pages state is what is measured or generated: diff counts and budgets, the results tables, the
+"Measured:" lines of docs/algorithms.md, and pyproject.toml's list of the project's modules."""
 
 import os
 import re
@@ -21,27 +23,32 @@ PRODUCT = sorted(  # every Python file of the project but the tests (and hidden 
 )
 
 
-@pytest.mark.parametrize(
-    "script, budget",
-    [
-        ("rloo.py", 50),
-        ("dr_grpo.py", 40),
-        ("gspo.py", 40),
-        ("dapo.py", 140),
-        ("ppo.py", 240),
-        ("cispo.py", 68),
-        ("reinforce_pp.py", 50),
-        ("sapo.py", 49),
-        ("maxrl.py", 44),
-        ("opd.py", 93),
-        ("grpo_tools.py", 217),
-        ("grpo_engine.py", 180),
-    ],
-)
+BUDGETS = {  # changed lines against grpo.py, at most
+    "rloo.py": 50,
+    "dr_grpo.py": 40,
+    "gspo.py": 40,
+    "dapo.py": 140,
+    "ppo.py": 240,
+    "cispo.py": 68,
+    "reinforce_pp.py": 50,
+    "sapo.py": 49,
+    "maxrl.py": 44,
+    "opd.py": 93,
+    "grpo_tools.py": 217,
+    "grpo_engine.py": 180,
+}
+
+
+def changed_lines(a: str, b: str) -> int:
+    """Lines starting with < or > in `diff A B`: what a reader of the diff reads."""
+    out = subprocess.run(["diff", a, b], cwd=ROOT, capture_output=True, text=True).stdout
+    return sum(line.startswith(("<", ">")) for line in out.splitlines())
+
+
+@pytest.mark.parametrize("script, budget", BUDGETS.items())
 def test_diff_budget_against_grpo(script, budget):
-    """A sibling changes grpo.py only where its algorithm differs: lines starting with < or > in `diff grpo.py X`."""
-    out = subprocess.run(["diff", "grpo.py", script], cwd=ROOT, capture_output=True, text=True).stdout
-    changed = sum(line.startswith(("<", ">")) for line in out.splitlines())
+    """A sibling changes grpo.py only where its algorithm differs."""
+    changed = changed_lines("grpo.py", script)
     assert 0 < changed <= budget, f"{script}: {changed} changed lines, budget {budget}"
 
 
@@ -242,3 +249,124 @@ def test_the_engine_page_quotes_the_generated_tables():
     assert len(quoted) >= 4
     for header, rows in quoted:
         assert (header, rows) in generated, f"docs/engine.md: the table headed {header} is not one of results.md"
+
+
+def pages() -> list[str]:
+    """README.md and every markdown page under docs/, as paths from the root."""
+    found = ["README.md"]
+    for folder, _, names in sorted(os.walk(os.path.join(ROOT, "docs"))):
+        found += sorted(os.path.relpath(os.path.join(folder, name), ROOT) for name in names if name.endswith(".md"))
+    return found
+
+
+def read(page: str) -> str:
+    with open(os.path.join(ROOT, page)) as f:
+        return f.read()
+
+
+def test_every_changed_line_count_a_page_states_is_what_its_diff_counts():
+    """Wherever a page states "N changed lines", its sentence names the diff (`diff A.py B.py`) and N is what that diff
+    counts now, so that an edit of a script cannot leave a stale count behind."""
+    for page in pages():
+        text = " ".join(read(page).split())
+        for m in re.finditer(r"(\d+) changed lines", text):
+            diffs = re.findall(r"`diff (\w+\.py) (\w+\.py)`", re.split(r"\.\s", text[: m.start()])[-1])
+            assert diffs, f"{page}: {m.group(0)!r} names no `diff A.py B.py` in its sentence"
+            a, b = diffs[-1]
+            assert int(m.group(1)) == changed_lines(a, b), (
+                f"{page}: `diff {a} {b}` counts {changed_lines(a, b)}, not {m.group(1)}"
+            )
+
+
+def test_the_readme_states_every_diff_budget():
+    """The README's budgets of changed lines are the tests': every sibling of grpo.py with its budget above, and dpo.py's
+    siblings with budgets their diffs stay within (tests/test_preference_family.py holds those)."""
+    listed = re.search(r"budget of changed lines \(([^)]*)\)", " ".join(readme().split())).group(1)
+    stated = {f"{name}.py": int(n) for name, n in re.findall(r"(\w+) (\d+)", listed)}
+    assert {script: n for script, n in stated.items() if script in BUDGETS} == BUDGETS
+    family = {script: n for script, n in stated.items() if script not in BUDGETS}
+    assert family.keys() == {"ipo.py", "simpo.py", "orpo.py", "kto.py"}
+    for script, budget in family.items():
+        assert changed_lines("dpo.py", script) <= budget, f"{script}: the README's budget {budget} is below its diff"
+
+
+def test_pyproject_names_every_module_of_the_project_first_party():
+    """ruff's import order: every module at the root, plumbing, and tests/helpers.py (which the tests import by name)."""
+    listed = re.search(r"known-first-party = \[(.*?)\]", read("pyproject.toml"), re.DOTALL).group(1)
+    modules = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")} | {"plumbing"}
+    names = set(re.findall(r'"(\w+)"', listed))
+    assert names == modules | {"helpers"}, f"missing: {modules - names}, not modules: {names - modules - {'helpers'}}"
+
+
+def github_anchor(heading: str) -> str:
+    """A heading's #anchor as GitHub writes it: a link's text only, lower case, punctuation other than - and _ dropped,
+    spaces as -."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def heading_anchors(page: str) -> set[str]:
+    """The #anchors of a page's headings, a repeated heading numbered; headings inside code blocks are none."""
+    anchors, fenced = set(), False
+    for line in read(page).splitlines():
+        fenced = fenced != line.startswith("```")
+        heading = re.match(r"#{1,6} (.*)", line)
+        if heading and not fenced:
+            anchor = github_anchor(heading.group(1))
+            number = sum(a == anchor or re.fullmatch(re.escape(anchor) + r"-\d+", a) is not None for a in anchors)
+            anchors.add(f"{anchor}-{number}" if number else anchor)
+    return anchors
+
+
+def test_every_anchor_a_page_links_to_is_a_heading_there():
+    checked = 0
+    for page in pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", read(page)):
+            path, _, anchor = target.partition("#")
+            if not anchor or re.match(r"[a-z]+://", target) or not (path or page).endswith(".md"):
+                continue
+            linked = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert anchor in heading_anchors(linked), f"{page} links to {target}: no such heading in {linked}"
+            checked += 1
+    assert checked >= 30
+
+
+def algorithm_sections() -> dict[str, str]:
+    """The sections of docs/algorithms.md by script ("grpo", "rloo", ...): its heading names the script or its diff."""
+    sections = {}
+    for section in re.split(r"(?m)^### ", read(os.path.join("docs", "algorithms.md")))[1:]:
+        heading = section.splitlines()[0]
+        sections[re.findall(r"`(?:diff \w+\.py )?(\w+)\.py`", heading)[-1]] = section
+    return sections
+
+
+def test_each_script_of_the_readme_links_its_section():
+    """Each row of the README's table of scripts links the script's section of docs/algorithms.md (or, for the reward
+    model and the warm-up, which have none, the page that explains them)."""
+    anchors = {name: github_anchor(section.splitlines()[0]) for name, section in algorithm_sections().items()}
+    rows = [row for row in markdown_rows(readme()) if "what it changes" in row]
+    assert len(rows) == len(anchors) + 2
+    for row in rows:
+        link = re.fullmatch(r"\[`(\w+)\.py`\]\(([\w/.-]+\.md)(?:#([\w-]+))?\)", row["script"])
+        assert link, f"the README's row of {row['script']} links no page"
+        script, page, anchor = link.groups()
+        if script in anchors:
+            assert (page, anchor) == ("docs/algorithms.md", anchors[script]), row["script"]
+
+
+def test_each_algorithm_section_states_what_was_measured():
+    """Every section of docs/algorithms.md has a "Measured:" line with a link to its measurement; for a script of the
+    benchmark's tables it quotes their end accuracies on both built-in tasks, as the README's results table does."""
+    generated = {}
+    for task in ("addition", "scratchpad"):
+        rows = markdown_rows(read(os.path.join("docs", task, "results.md")))
+        generated[task] = {row["algorithm"]: row for row in rows if "end accuracy" in row}
+    sections = algorithm_sections()
+    assert len(sections) == 18 and set(generated["addition"]) < set(sections)
+    for script, section in sections.items():
+        assert "**Measured:**" in section, script
+        measured = " ".join(section.split("**Measured:**")[1].split("\n\n")[0].split())
+        assert re.search(r"\]\([\w/.-]+\.md(#[\w-]+)?\)", measured), script
+        if script in generated["addition"]:
+            for task in ("addition", "scratchpad"):
+                assert f"{task} {end_accuracy_range(generated[task][script])}" in measured, (script, task)
