@@ -2,7 +2,7 @@
 
     pip install matplotlib                   # the chart
     python benchmark_real_model.py           # about two and a half hours on a 2-core CPU, alone
-    python benchmark_real_model.py --tools   # only grpo_tools.py learning to call the calculator: about a quarter hour
+    python benchmark_real_model.py --tools   # only tool use (chat format: warm-up then RL; inline format): ~half an hour
 
 Seven measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
 learning curves (docs/real-model/accuracy.png):
@@ -72,14 +72,20 @@ class Args:
     fresh: bool = False
     """rerun even when a complete run exists"""
     tools: bool = False
-    """only grpo_tools.py on the products task with TOOLS_LEARN, into DOCS_DIR/tools.md: the held-out accuracy at every
-    evaluation, the tool metrics, and whole conversations before and after"""
+    """only tool use on the products task, into DOCS_DIR/tools.md: the untrained model's calls, the chat format's
+    warm-up (sft_tools.py with TOOLS_WARM_UP) then grpo_tools.py (TOOLS_CHAT_LEARN), and grpo_tools.py in the inline
+    format (TOOLS_LEARN): the held-out accuracy at every evaluation, the tool metrics, whole conversations"""
 
 
 # grpo_tools.py on the products task ("What is 347 * 86?"), the calculator called inline ("347 * 86 =" completed in the
 # reply): SmolLM2-135M-Instruct never writes a <calc> tag (docs/tools.md), but it writes arithmetic followed by "="
 TOOLS_LEARN = ["--task", "products", "--tool-format", "inline", "--num-prompts", "4", "--group-size", "8", "--beta", "0"]
 TOOLS_LEARN += ["--learning-rate", "1e-4", "--max-turns", "4", "--total-steps", "4", "--eval-every", "2"]
+# the chat format (<calc>...</calc>, answered in a tool message), which the model never writes untrained: the supervised
+# warm-up on demonstrations (sft_tools.py), then grpo_tools.py from the warmed-up model
+TOOLS_WARM_UP = ["--tool-share", "0.5", "--num-steps", "20", "--batch-size", "8"]
+TOOLS_CHAT_LEARN = ["--task", "products", "--tool-format", "chat", "--num-prompts", "4", "--group-size", "8", "--beta", "0"]
+TOOLS_CHAT_LEARN += ["--learning-rate", "1e-5", "--total-steps", "10", "--eval-every", "5"]
 
 
 def run_measured(script: str, flags: list[str], out: str, fresh: bool, env: dict | None = None) -> dict:
@@ -266,6 +272,40 @@ def call_format_probe(model_dir: str, num: int = 64, max_new_tokens: int = 48) -
     return lines
 
 
+def show_turns(sample: dict) -> str:
+    """A conversation's turns as a table cell: `model:` sampled, `tool:` written by the calculator."""
+    return " ".join(f"{who}: `{text}`" for turn in sample["turns"] for who, text in turn.items()).replace("\n", " ")
+
+
+def question(sample: dict) -> str:
+    return sample["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+
+
+def evaluation_table(rows: list[dict]) -> list[str]:
+    """Every evaluation of a grpo_tools.py run: held-out greedy accuracy and call rate, accuracy with and without a call,
+    the model's tokens; and, from the step's own rollout, the call rate and accuracy sampled at temperature 1."""
+    lines = [
+        "| step | minutes | held-out accuracy | called the calculator | accuracy with a call / without | tokens by model "
+        "| sampled: called / accuracy |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    by_step = {r["step"]: r for r in rows}
+    for r in rows:
+        if "eval/accuracy" in r:
+            split = " / ".join(
+                f"{r[k]:.1%}" if k in r else "-" for k in ("eval/accuracy_with_call", "eval/accuracy_without_call")
+            )
+            rollout = by_step.get(max(r["step"], 1), {})  # at step 0, the first step's rollout: the same weights
+            sampled = " / ".join(
+                f"{rollout[k]:.1%}" if k in rollout else "-" for k in ("rollout/called_tool_frac", "rollout/gold_accuracy")
+            )
+            lines.append(
+                f"| {r['step']} | {r['time/elapsed'] / 60:.1f} | {r['eval/accuracy']:.1%} | {r['eval/called_tool_frac']:.1%} "
+                f"| {split} | {r['eval/tokens_by_model']:.1f} | {sampled} |"
+            )
+    return lines
+
+
 def tools_learning(args: Args) -> list[str]:
     """grpo_tools.py with TOOLS_LEARN: the whole command's minutes and peak memory, every evaluation with its tool
     metrics, and the first held-out conversations before and after, every turn with its writer."""
@@ -279,26 +319,97 @@ def tools_learning(args: Args) -> list[str]:
         f"for the whole command, peak resident memory {gib(run['peak_bytes'])} GiB, {step_seconds(run['rows'])} s per "
         f"step (rollout {step_seconds(run['rows'], 'time/rollout')} s) on average.",
         "",
-        "| step | minutes | held-out accuracy | called the calculator | accuracy with a call / without | tokens by model |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *evaluation_table(run["rows"]),
     ]
-    for r in run["rows"]:
-        if "eval/accuracy" in r:
-            split = " / ".join(
-                f"{r[k]:.1%}" if k in r else "-" for k in ("eval/accuracy_with_call", "eval/accuracy_without_call")
-            )
-            lines.append(
-                f"| {r['step']} | {r['time/elapsed'] / 60:.1f} | {r['eval/accuracy']:.1%} | {r['eval/called_tool_frac']:.1%} "
-                f"| {split} | {r['eval/tokens_by_model']:.1f} |"
-            )
     first, last = samples[0]["step"], samples[-1]["step"]
     lines += ["", "The first held-out conversations, greedy (`model:` sampled, `tool:` written by the calculator):", ""]
     lines += ["| question | answer | at the start | at the end |", "| --- | --- | --- | --- |"]
-    show = lambda s: " ".join(f"{who}: `{text}`" for turn in s["turns"] for who, text in turn.items()).replace("\n", " ")
     for b, a in zip([s for s in samples if s["step"] == first], [s for s in samples if s["step"] == last]):
-        question = b["prompt"].split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
-        before, after = (show(s).replace("|", "\\|") for s in (b, a))  # a table cell: | escaped
-        lines.append(f"| {question} | {b['answer']} | {before} | {after} |")
+        before, after = (show_turns(s).replace("|", "\\|") for s in (b, a))  # a table cell: | escaped
+        lines.append(f"| {question(b)} | {b['answer']} | {before} | {after} |")
+    return lines
+
+
+def untrained_chat_evaluation(model_dir: str, out: str, fresh: bool) -> dict:
+    """The untrained model in the chat format, as grpo_tools.py would evaluate it at step 0 (its prompts, system message
+    and evaluation), and 32 conversations sampled at temperature 1 on training prompts, as its first rollout would;
+    saved to OUT/untrained.json."""
+    path = os.path.join(out, "untrained.json")
+    if fresh or not os.path.isfile(path):
+        import torch
+
+        import common
+        import grpo_tools
+        import tasks
+        import tools
+        from plumbing import models
+
+        flags = grpo_tools.Args(model_name_or_path=model_dir, task="products", tool_format="chat")
+        flags.max_new_tokens = 64  # the products task's budget
+        policy, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"), "products")
+        tool_format, task = tools.format_and_prompts(
+            flags, tasks.make_task("products"), tokenizer, common.eos_token_ids(policy, tokenizer)
+        )
+        metrics = grpo_tools.evaluate(policy, tokenizer, tool_format, task, flags)
+        torch.manual_seed(0)
+        batch = task.train.select(range(32))
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, batch["prompt"], torch.device("cpu"))
+        sampled = grpo_tools.rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, flags, 1.0)
+        result = {k: float(v) for k, v in metrics.items() if k != "samples"}
+        result["rollout/called_tool_frac"] = (sampled.tool_calls > 0).float().mean().item()
+        result["rollout/gold_accuracy"] = task.reward(sampled.final_turns, batch["answer"]).mean().item()
+        result["samples"] = metrics["samples"]
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f)
+    with open(path) as f:
+        return json.load(f)
+
+
+def chat_tools_learning(args: Args) -> list[str]:
+    """The chat format on SmolLM2: the untrained model, sft_tools.py's warm-up on demonstrations (TOOLS_WARM_UP), then
+    grpo_tools.py from it (TOOLS_CHAT_LEARN): the held-out accuracy and call rate of each, the two commands' minutes and
+    peak memory, and the first held-out conversations of each, every turn with its writer."""
+    untrained = untrained_chat_evaluation(args.model_dir, f"{args.runs_dir}/tools-chat", args.fresh)
+    warm_up = run_measured(
+        "sft_tools.py", ["--model-name-or-path", args.model_dir, *TOOLS_WARM_UP], f"{args.runs_dir}/tools-warm-up", args.fresh
+    )
+    warm_model = f"{args.runs_dir}/tools-warm-up/model"
+    learn = run_measured(
+        "grpo_tools.py", ["--model-name-or-path", warm_model, *TOOLS_CHAT_LEARN], f"{args.runs_dir}/tools-chat", args.fresh
+    )
+    with open(f"{args.runs_dir}/tools-chat/samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    minutes = (warm_up["seconds"] + learn["seconds"]) / 60
+    split = " / ".join(
+        f"{untrained[k]:.1%}" if k in untrained else "-" for k in ("eval/accuracy_with_call", "eval/accuracy_without_call")
+    )
+    lines = [
+        f"1. `python sft_tools.py --model-name-or-path MODEL_DIR {' '.join(TOOLS_WARM_UP)}`: {warm_up['seconds'] / 60:.1f} "
+        f"minutes for the whole command, peak resident memory {gib(warm_up['peak_bytes'])} GiB; last loss "
+        f"{warm_up['rows'][-1]['sft/loss']:.3f}.",
+        f"2. `python grpo_tools.py --model-name-or-path {warm_model} {' '.join(TOOLS_CHAT_LEARN)}`: "
+        f"{learn['seconds'] / 60:.1f} minutes for the whole command, peak resident memory {gib(learn['peak_bytes'])} GiB, "
+        f"{step_seconds(learn['rows'])} s per step (rollout {step_seconds(learn['rows'], 'time/rollout')} s) on average.",
+        "",
+        f"The pipeline, both commands: {minutes:.1f} minutes. Step 0 of grpo_tools.py is the warmed-up model; the row "
+        "`untrained` is SmolLM2-135M-Instruct itself, evaluated in the same chat format (`untrained_chat_evaluation`).",
+        "",
+        *evaluation_table(learn["rows"]),
+    ]
+    untrained_row = (
+        f"| untrained | - | {untrained['eval/accuracy']:.1%} | {untrained['eval/called_tool_frac']:.1%} | {split} | "
+        f"{untrained['eval/tokens_by_model']:.1f} | {untrained['rollout/called_tool_frac']:.1%} / "
+        f"{untrained['rollout/gold_accuracy']:.1%} |"
+    )
+    lines.insert(lines.index("| --- | --- | --- | --- | --- | --- | --- |") + 1, untrained_row)
+    first, last = samples[0]["step"], samples[-1]["step"]
+    lines += ["", "The first held-out conversations, greedy (`model:` sampled, `tool:` written by the environment):", ""]
+    lines += ["| question | answer | untrained | after the warm-up | after RL |", "| --- | --- | --- | --- | --- |"]
+    at = lambda step: [s for s in samples if s["step"] == step]
+    for u, w, r in zip(untrained["samples"], at(first), at(last)):
+        cells = (show_turns(s).replace("|", "\\|") for s in (u, w, r))  # a table cell: | escaped
+        lines.append(f"| {question(w)} | {w['answer']} | {' | '.join(cells)} |")
     return lines
 
 
@@ -550,6 +661,7 @@ if __name__ == "__main__":
             "",
         ]
         lines += ["Sampled at temperature 1, 64 questions, 48 new tokens, seed 0:", "", *call_format_probe(args.model_dir), ""]
+        lines += ["## The chat format: a warm-up on demonstrations, then RL", "", *chat_tools_learning(args), ""]
         lines += ["## Learning to call the calculator inline", "", *tools_learning(args)]
         with open(os.path.join(args.docs_dir, "tools.md"), "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""Tools a model may call during a rollout (grpo_tools.py), and the two formats in which it calls them.
+"""Tools a model may call during a rollout (grpo_tools.py), and the three formats in which it calls them.
 
 A tool is a plain Python function with a name, a docstring and typed arguments; it returns text. The calculator is the
 one shipped here. What a model writes is untrusted input, like anything a user types into a web form: a model that
