@@ -352,7 +352,7 @@ def untrained_chat_evaluation(model_dir: str, out: str, fresh: bool) -> dict:
         )
         metrics = grpo_tools.evaluate(policy, tokenizer, tool_format, task, flags)
         torch.manual_seed(0)
-        batch = task.train.select(range(32))
+        batch = task.train[:32]  # the first 32 training prompts
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, batch["prompt"], torch.device("cpu"))
         sampled = grpo_tools.rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, flags, 1.0)
         result = {k: float(v) for k, v in metrics.items() if k != "samples"}
