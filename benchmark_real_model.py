@@ -646,6 +646,14 @@ def step_split(model_dir: str) -> list[str]:
     return lines
 
 
+def threads_used() -> str:
+    """The runs' thread count as the page states it (they inherit this process's, which OMP_NUM_THREADS sets)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return f"one run at a time, {threads} thread{'s' if threads > 1 else ''} each"
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     args.model_dir = args.model_dir or prepare_smollm2.prepare()
@@ -653,7 +661,7 @@ if __name__ == "__main__":
     os.makedirs(args.runs_dir, exist_ok=True)
     if args.tools:
         lines = [
-            "`python benchmark_real_model.py --tools`: SmolLM2-135M-Instruct, CPU, alone.",
+            f"`python benchmark_real_model.py --tools`: SmolLM2-135M-Instruct, CPU, {threads_used()}.",
             "",
             f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
             "",
