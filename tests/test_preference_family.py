@@ -250,7 +250,7 @@ def test_a_labelled_file_with_a_label_that_is_not_true_or_false_is_refused(tmp_p
     assert str(info.value.code) == f"--dataset {str(data)!r}: a label is 'no'; labels must be true or false (or 1 or 0)"
 
 
-@pytest.mark.parametrize("script, budget", [("ipo.py", 46), ("simpo.py", 88), ("orpo.py", 90), ("kto.py", 196)])
+@pytest.mark.parametrize("script, budget", [("ipo.py", 52), ("simpo.py", 95), ("orpo.py", 92), ("kto.py", 203)])
 def test_diff_budget_against_dpo(script, budget):
     """A sibling changes dpo.py only where its method differs: lines starting with < or > in `diff dpo.py X`."""
     out = subprocess.run(["diff", "dpo.py", script], cwd=ROOT, capture_output=True, text=True).stdout
