@@ -1,0 +1,372 @@
+"""What each diff does, on a real model: every RL script on SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the
+CPU, and the headline effect of each algorithm against GRPO over seeds.
+
+    pip install matplotlib                                  # the chart
+    python benchmark_effects.py --jobs 2                    # every part, two one-thread runs at a time
+    python benchmark_effects.py --parts scripts --jobs 2    # one part only: the page shows every run found so far
+
+Every run shares one setting, EFFECT: the sums task ("What is 61 + 48?") with its system message "Solve the problem step
+by step. ...", a budget of 64 new tokens (room for the model to explain, so that the length of a response can move), 4
+prompts x 8 responses per step, a learning rate of 1e-5, no KL term (beta 0: the siblings differ in their losses, not in
+a reference model), 16 steps, the 200 held-out problems answered greedily at steps 0, 8 and 16. The parts:
+1. scripts: every RL script once (seed 1) with EFFECT and the few flags its algorithm needs (SCRIPT_FLAGS); grpo_tools.py
+   learns its own real-model task, measured by `python benchmark_real_model.py --tools` (docs/real-model/tools.md);
+2. headline: seeds 1-3 of GRPO and of each algorithm compared with it (HEADLINE);
+3. pass-at-k: pass@k for k = 1..8 of the final GRPO and MaxRL models (8 samples per held-out problem).
+--only limits the runs to some scripts (run the benchmark in parts: `--parts headline --only grpo dr_grpo`).
+Each run is its own process, with --jobs processes at a time and cpu_count // jobs threads each; a complete run under
+--runs-dir is reused (so the benchmark resumes, and can be run in parts), and a run folder made by another command is
+refused. The results go to DOCS_DIR/effects.md with their chart, DOCS_DIR/effects.png.
+"""
+
+import importlib.metadata
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import tyro
+
+import prepare_smollm2
+from benchmark_real_model import cpu_name, gib, run_measured, with_values
+
+EFFECT = ["--task", "sums", "--max-new-tokens", "64", "--num-prompts", "4", "--group-size", "8", "--learning-rate", "1e-5"]
+EFFECT += ["--beta", "0", "--total-steps", "16", "--eval-every", "8"]
+# the flags a script needs beyond EFFECT, as (values replaced in EFFECT, flags added), and why
+SCRIPT_FLAGS = {
+    "grpo": ({}, []),
+    "rloo": ({}, []),
+    "dr_grpo": ({}, []),
+    "dapo": ({}, []),  # its own defaults: clip-higher, dynamic sampling, an overlong buffer of half the budget
+    "gspo": ({}, []),  # its own defaults: 4 minibatches, the sequence-level clip range
+    "ppo": ({"--num-prompts": "32", "--group-size": "1"}, []),  # one response per prompt and a critic: its shape
+    "cispo": ({}, []),
+    "reinforce_pp": ({}, []),
+    "sapo": ({}, []),
+    "maxrl": ({}, []),
+    "opd": ({"--num-prompts": "32", "--group-size": "1"}, ["--teacher", "RUNS_DIR/grpo-seed1/model"]),  # a teacher
+    "grpo_engine": ({}, []),  # its defaults: the built-in engine in bf16, token-level TIS
+}
+# the algorithm compared with GRPO in each headline effect, and the paper that claims it
+HEADLINE = {
+    "dr_grpo": "Dr. GRPO (Liu et al. 2025): no length or std normalisation, so wrong answers stop growing longer",
+    "dapo": "DAPO (Yu et al. 2025, §3.1): clip-higher keeps the policy's entropy from collapsing",
+    "maxrl": "MaxRL (Tajwar, Zeng et al. 2026): ascends log pass@k, a higher pass@k at a matched pass@1",
+    "gspo": "GSPO (Zheng et al. 2025): a sequence-level ratio, clipped far more often than token ratios",
+    "cispo": "CISPO (MiniMax 2025): clips the weight, not the update, so tokens past the clip keep their gradient",
+    "rloo": "RLOO (Ahmadian et al. 2024): a leave-one-out baseline without std normalisation, unbiased",
+}
+
+
+@dataclass
+class Args:
+    model_dir: str = ""
+    """the model folder (default: prepare_smollm2.py's, prepared now if missing)"""
+    runs_dir: str = "runs/effects"
+    """where the runs go"""
+    docs_dir: str = "docs/real-model"
+    """where effects.md and effects.png go"""
+    parts: list[str] = field(default_factory=lambda: ["scripts", "headline", "pass-at-k"])
+    """which parts to run (the page is written from every run found)"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """the headline part's seeds"""
+    only: list[str] = field(default_factory=list)
+    """run only these scripts (default: all of SCRIPT_FLAGS)"""
+    jobs: int = 1
+    """runs at a time, each with cpu_count // jobs threads"""
+    fresh: bool = False
+    """rerun even when a complete run exists"""
+
+
+def run_dir(args: Args, script: str, seed: int) -> str:
+    return f"{args.runs_dir}/{script}-seed{seed}"
+
+
+def script_flags(args: Args, script: str, seed: int) -> list[str]:
+    """The command line of SCRIPT with EFFECT at SEED, the model folder excluded."""
+    changes, extra = SCRIPT_FLAGS[script]
+    extra = [flag.replace("RUNS_DIR", args.runs_dir) for flag in extra]
+    return [*with_values(EFFECT, changes), *extra, "--seed", str(seed)]
+
+
+def run_once(args: Args, script: str, flags: list[str], out: str) -> dict:
+    """run_measured with the thread count of --jobs, refusing a folder that holds another command's run."""
+    path = os.path.join(out, "flags.json")
+    if os.path.isfile(path) and not args.fresh:
+        with open(path) as f:
+            if json.load(f) != [script, *flags]:
+                raise SystemExit(f"{out} holds a run of another command; remove it or pass --fresh")
+    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    flags_with_model = ["--model-name-or-path", args.model_dir, *flags]
+    run = run_measured(script, flags_with_model, out, args.fresh, env={"OMP_NUM_THREADS": threads})
+    with open(path, "w") as f:
+        json.dump([script, *flags], f)
+    return run
+
+
+def run_all(args: Args, runs: list[tuple[str, int]]) -> None:
+    """Every (script, seed) of RUNS, --jobs at a time, in order; opd.py's waits for its teacher, GRPO's seed-1 model."""
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = {}
+        for script, seed in runs:
+            command = (f"{script}.py", script_flags(args, script, seed), run_dir(args, script, seed))
+            teacher = done.get(("grpo", 1)) if script == "opd" else None
+            done[script, seed] = pool.submit(lambda c=command, t=teacher: (t and t.result(), run_once(args, *c)))
+        for future in done.values():
+            future.result()  # a failed run stops the benchmark, with its log's path
+
+
+def pass_at_k(args: Args, script: str, seed: int, samples: int = 8) -> dict:
+    """pass@k for k = 1, 2, 4, 8 of a run's final model on the held-out problems, from 8 responses sampled per problem at
+    temperature 1 (common.evaluate, the chat template applied as in training); saved to its folder."""
+    path = os.path.join(run_dir(args, script, seed), "pass_at_k.json")
+    if args.fresh or not os.path.isfile(path):
+        import torch
+
+        import common
+        import tasks
+        from plumbing import models
+
+        common.seed_everything(seed)
+        model, tokenizer = models.load_model_and_tokenizer(
+            os.path.join(run_dir(args, script, seed), "model"), "", torch.device("cpu"), "sums"
+        )
+        task = tasks.apply_chat_template(tasks.make_task("sums"), tokenizer, "auto", "")
+        metrics = common.evaluate(model, tokenizer, task, 64, samples, 1.0)
+        with open(path, "w") as f:
+            json.dump({k: float(v) for k, v in metrics.items() if k != "samples"}, f)
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_run(out: str) -> dict | None:
+    """The measured run in OUT (its metrics rows, seconds and peak memory), or None when it is not complete."""
+    if not os.path.isfile(os.path.join(out, "measured.json")):
+        return None
+    with open(os.path.join(out, "measured.json")) as f:
+        run = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        run["rows"] = [json.loads(line) for line in f]
+    return run
+
+
+def mean_over(rows: list[dict], key: str, steps: range) -> float:
+    """The mean of KEY over the rows of STEPS that log it (nan when none does)."""
+    values = [r[key] for r in rows if r["step"] in steps and key in r]
+    return sum(values) / len(values) if values else float("nan")
+
+
+FIRST, LAST = range(1, 3), range(15, 17)  # the first two and the last two steps of a 16-step run
+
+
+def script_row(script: str, flags: list[str], run: dict) -> str:
+    evals = [r for r in run["rows"] if "eval/accuracy" in r]
+    accuracy = " -> ".join(f"{r['eval/accuracy']:.1%}" for r in evals)
+    length = f"{evals[0]['eval/response_length']:.1f} -> {evals[-1]['eval/response_length']:.1f}"
+    pair = lambda key, fmt: f"{mean_over(run['rows'], key, FIRST):{fmt}} -> {mean_over(run['rows'], key, LAST):{fmt}}"
+    gain = 100 * (evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"])
+    return (
+        f"| `{script}.py` | `{' '.join(flags)}` | {accuracy} | {gain:+.1f} | {length} | {pair('train/entropy', '.2f')} | "
+        f"{pair('rollout/truncated_frac', '.0%')} | {run['seconds'] / 60:.1f} | {gib(run['peak_bytes'])} |"
+    )
+
+
+def scripts_section(args: Args) -> list[str]:
+    base = " ".join(EFFECT)
+    lines = [
+        f"Each script with `--model-name-or-path MODEL_DIR {base} --seed 1` and the flags of its row beyond those; the "
+        "entropy (nats per sampled token, `train/entropy`) and the share of rollouts cut at the budget are the means of "
+        "steps 1-2 and of steps 15-16.",
+        "",
+        "| script | command beyond the model | held-out accuracy, steps 0, 8, 16 | points | greedy length (tokens) | "
+        "entropy | cut at the budget | minutes | peak memory (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for script in SCRIPT_FLAGS:
+        flags = script_flags(args, script, 1)
+        run = load_run(run_dir(args, script, 1))
+        shown = flags[len(EFFECT) :] if flags[: len(EFFECT)] == EFFECT else flags
+        lines.append(script_row(script, shown, run) if run else f"| `{script}.py` | `{' '.join(shown)}` | not run yet |")
+    lines += [
+        "",
+        "`grpo_tools.py` learns its own task on this model (products, the calculator called in the chat format, after a "
+        "supervised warm-up): `python benchmark_real_model.py --tools` measures it, in [tools.md](tools.md).",
+    ]
+    return lines
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """mean (min-max) over seeds, or the one value."""
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}"
+    return f"{sum(values) / len(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+# what each headline comparison shows: (label, metric of a run) pairs
+def final_accuracy(run: dict) -> float:
+    return [r["eval/accuracy"] for r in run["rows"] if "eval/accuracy" in r][-1]
+
+
+def past_clip_share(run: dict) -> float:
+    """The share of tokens whose ratio lies past the clip range on the advantage's side (above 1 + eps with A > 0,
+    below 1 - eps with A < 0), over the 16 steps: GRPO's min() gives them no gradient, CISPO's clipped weight keeps it
+    (gspo.py logs its sequence ratio on each token, so there it is the share of tokens in clipped sequences)."""
+    keys = ("train/clip_frac_high", "train/clip_frac_low")
+    return sum(mean_over(run["rows"], key, range(1, 17)) for key in keys)
+
+
+METRICS = {
+    "dr_grpo": [
+        ("held-out accuracy at step 16", final_accuracy, ".1%"),
+        (
+            "greedy length at step 16",
+            lambda r: [x["eval/response_length"] for x in r["rows"] if "eval/accuracy" in x][-1],
+            ".1f",
+        ),
+        (
+            "right responses' length, steps 13-16",
+            lambda r: mean_over(r["rows"], "rollout/response_length_correct", range(13, 17)),
+            ".1f",
+        ),
+        (
+            "wrong responses' length, steps 13-16",
+            lambda r: mean_over(r["rows"], "rollout/response_length_wrong", range(13, 17)),
+            ".1f",
+        ),
+        ("cut at the budget, steps 13-16", lambda r: mean_over(r["rows"], "rollout/truncated_frac", range(13, 17)), ".0%"),
+    ],
+    "dapo": [
+        ("held-out accuracy at step 16", final_accuracy, ".1%"),
+        ("entropy, steps 1-4", lambda r: mean_over(r["rows"], "train/entropy", range(1, 5)), ".3f"),
+        ("entropy, steps 13-16", lambda r: mean_over(r["rows"], "train/entropy", range(13, 17)), ".3f"),
+    ],
+    "gspo": [
+        ("held-out accuracy at step 16", final_accuracy, ".1%"),
+        ("tokens past the clip on the advantage's side, steps 1-16", past_clip_share, ".2%"),
+        ("ratio min, steps 1-16", lambda r: min(x.get("train/ratio_min", 1.0) for x in r["rows"]), ".3f"),
+        ("ratio max, steps 1-16", lambda r: max(x.get("train/ratio_max", 1.0) for x in r["rows"]), ".3f"),
+    ],
+    "cispo": [
+        ("held-out accuracy at step 16", final_accuracy, ".1%"),
+        ("tokens past the clip on the advantage's side, steps 1-16", past_clip_share, ".2%"),
+    ],
+    "maxrl": [("held-out accuracy at step 16", final_accuracy, ".1%")],
+    "rloo": [("held-out accuracy at step 16", final_accuracy, ".1%")],
+}
+
+
+def headline_section(args: Args, with_pass_at_k: bool) -> list[str]:
+    lines = []
+    for other, claim in HEADLINE.items():
+        runs = {s: [load_run(run_dir(args, s, seed)) for seed in args.seeds] for s in ("grpo", other)}
+        seeds = {s: [seed for seed, r in zip(args.seeds, runs[s]) if r] for s in runs}
+        lines += [f"### {other}.py against grpo.py", "", f"The claim: {claim}.", ""]
+        lines += [
+            f"Seeds found: grpo.py {seeds['grpo'] or 'none'}, {other}.py {seeds[other] or 'none'}; each cell is the mean "
+            "(min-max) over them.",
+            "",
+        ]
+        lines += ["| measure | `grpo.py` | `" + other + ".py` |", "| --- | --- | --- |"]
+        for label, metric, fmt in METRICS[other]:
+            cells = [spread([metric(r) for r in runs[s] if r], fmt) for s in ("grpo", other)]
+            lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+        if other == "maxrl" and with_pass_at_k:
+            found = {s: [pass_at_k(args, s, seed) for seed, r in zip(args.seeds, runs[s]) if r] for s in ("grpo", "maxrl")}
+            for k in (1, 2, 4, 8):
+                cells = [spread([p[f"eval/pass@{k}"] for p in found[s]], ".1%") for s in ("grpo", "maxrl")]
+                lines.append(f"| pass@{k} at step 16 (8 samples, temperature 1) | {cells[0]} | {cells[1]} |")
+        lines.append("")
+    return lines
+
+
+def plot_effects(args: Args, path: str) -> None:
+    """One panel per headline effect: the per-step curve of GRPO and of the other algorithm, the mean over the seeds
+    found and their range shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("dr_grpo", "rollout/response_length_wrong", "wrong responses' length (tokens)"),
+        ("dapo", "train/entropy", "entropy (nats per token)"),
+        ("maxrl", "pass@k", "pass@k at step 16"),
+        ("gspo", "train/clip_frac_high", "share past the clip, A > 0"),
+        ("cispo", "train/clip_frac_high", "share past the clip, A > 0"),
+        ("rloo", "eval/accuracy", "held-out accuracy"),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.4))
+    for ax, (other, key, label) in zip(axes.flat, panels):
+        for script, color in (("grpo", "tab:blue"), (other, "tab:orange")):
+            if key == "pass@k":  # pass@1..8 of the final models, where pass_at_k measured them
+                paths = [os.path.join(run_dir(args, script, seed), "pass_at_k.json") for seed in args.seeds]
+                curves = []
+                for path in filter(os.path.isfile, paths):
+                    with open(path) as f:
+                        curves.append({int(k.split("@")[1]): v for k, v in json.load(f).items() if "pass@" in k})
+            else:
+                runs = [r for r in (load_run(run_dir(args, script, seed)) for seed in args.seeds) if r]
+                curves = [{x["step"]: x[key] for x in r["rows"] if key in x} for r in runs]
+            xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if not xs:
+                continue
+            values = [[c[x] for c in curves] for x in xs]
+            mean = [sum(v) / len(v) for v in values]
+            ax.plot(xs, mean, color=color, marker=".", label=f"{script}.py ({len(curves)} seeds)")
+            ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.2, lw=0)
+        ax.set_title(f"{other}.py vs grpo.py", fontsize=9)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_xlabel("k" if key == "pass@k" else "step", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, frameon=False)
+    fig.suptitle(
+        "SmolLM2-135M-Instruct, sums, 64 new tokens, 32 responses a step: the mean over seeds, their range shaded",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    for part in args.parts:
+        if part not in ("scripts", "headline", "pass-at-k"):
+            raise SystemExit(f"--parts: {part!r} is not one of scripts, headline, pass-at-k")
+    for script in args.only:
+        if script not in SCRIPT_FLAGS:
+            raise SystemExit(f"--only: {script!r} is not one of {', '.join(SCRIPT_FLAGS)}")
+    if args.jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
+    args.model_dir = args.model_dir or prepare_smollm2.prepare()
+    os.makedirs(args.runs_dir, exist_ok=True)
+    os.makedirs(args.docs_dir, exist_ok=True)
+    scripts = [s for s in SCRIPT_FLAGS if not args.only or s in args.only]
+    runs = [(s, 1) for s in scripts] if "scripts" in args.parts else []
+    if "headline" in args.parts:
+        runs += [(s, seed) for seed in args.seeds for s in ("grpo", *HEADLINE) if s in scripts and (s, seed) not in runs]
+    if ("opd", 1) in runs and "grpo" not in scripts and not load_run(run_dir(args, "grpo", 1)):
+        raise SystemExit("--only: opd.py's teacher is GRPO's seed-1 model, not run yet; add grpo")
+    run_all(args, runs)
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    lines = [
+        f"`python benchmark_effects.py`: SmolLM2-135M-Instruct, CPU, {args.jobs} run{'s' if args.jobs > 1 else ''} at a "
+        f"time, {threads} thread{'s' if threads > 1 else ''} each.",
+        "",
+        f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
+        "",
+        "## Every RL script",
+        "",
+        *scripts_section(args),
+        "",
+        "## Headline effects against GRPO",
+        "",
+        *headline_section(args, "pass-at-k" in args.parts),
+    ]
+    with open(os.path.join(args.docs_dir, "effects.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot_effects(args, os.path.join(args.docs_dir, "effects.png"))
+    print("\n".join(lines))
