@@ -14,9 +14,11 @@ a reference model), 16 steps, the 200 held-out problems answered greedily at ste
 2. headline: seeds 1-3 of GRPO and of each algorithm compared with it (HEADLINE);
 3. pass-at-k: pass@k for k = 1..8 of the final GRPO and MaxRL models (8 samples per held-out problem).
 --only limits the runs to some scripts (run the benchmark in parts: `--parts headline --only grpo dr_grpo`).
-Each run is its own process, with --jobs processes at a time and cpu_count // jobs threads each; a complete run under
---runs-dir is reused (so the benchmark resumes, and can be run in parts), and a run folder made by another command is
-refused. The results go to DOCS_DIR/effects.md with their chart, DOCS_DIR/effects.png.
+Each run is its own process, with --jobs processes at a time and cpu_count // jobs threads each. A complete run leaves
+its record in DOCS_DIR/effects-runs/SCRIPT-seedN.json (its command, metrics rows, minutes, peak memory, the CPU and the
+threads it had), kept in git beside the page: a run with a record is not run again, on this checkout or another (so the
+benchmark resumes and can be run in parts, across sessions), and a record or run folder made by another command is
+refused. The page, DOCS_DIR/effects.md, and its chart, DOCS_DIR/effects.png, are written from every record found.
 """
 
 import importlib.metadata
@@ -82,26 +84,65 @@ def run_dir(args: Args, script: str, seed: int) -> str:
     return f"{args.runs_dir}/{script}-seed{seed}"
 
 
-def script_flags(args: Args, script: str, seed: int) -> list[str]:
-    """The command line of SCRIPT with EFFECT at SEED, the model folder excluded."""
+def record_path(args: Args, script: str, seed: int) -> str:
+    return os.path.join(args.docs_dir, "effects-runs", f"{script}-seed{seed}.json")
+
+
+def script_flags(script: str, seed: int) -> list[str]:
+    """The command line of SCRIPT with EFFECT at SEED, the model folder excluded; RUNS_DIR stands for --runs-dir."""
     changes, extra = SCRIPT_FLAGS[script]
-    extra = [flag.replace("RUNS_DIR", args.runs_dir) for flag in extra]
     return [*with_values(EFFECT, changes), *extra, "--seed", str(seed)]
 
 
-def run_once(args: Args, script: str, flags: list[str], out: str) -> dict:
-    """run_measured with the thread count of --jobs, refusing a folder that holds another command's run."""
+def load_run(args: Args, script: str, seed: int) -> dict | None:
+    """The record of SCRIPT at SEED, or None when it has not run yet."""
+    path = record_path(args, script, seed)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_run(args: Args, script: str, seed: int, record: dict) -> None:
+    os.makedirs(os.path.dirname(record_path(args, script, seed)), exist_ok=True)
+    with open(record_path(args, script, seed), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def needs_running(args: Args, script: str, seed: int) -> bool:
+    """Whether SCRIPT at SEED must run: --fresh, or no record yet; a record of another command is refused."""
+    record = load_run(args, script, seed)
+    if record and record["command"] != [f"{script}.py", *script_flags(script, seed)] and not args.fresh:
+        raise SystemExit(f"{record_path(args, script, seed)} holds a run of another command; remove it or pass --fresh")
+    return args.fresh or record is None
+
+
+def run_once(args: Args, script: str, seed: int) -> None:
+    """SCRIPT at SEED with EFFECT (run_measured, with the thread count of --jobs) unless its record exists; saves the
+    record. A run folder that holds another command's run is refused."""
+    if not needs_running(args, script, seed):
+        return
+    command = [f"{script}.py", *script_flags(script, seed)]
+    out = run_dir(args, script, seed)
     path = os.path.join(out, "flags.json")
     if os.path.isfile(path) and not args.fresh:
         with open(path) as f:
-            if json.load(f) != [script, *flags]:
+            if json.load(f) != command:
                 raise SystemExit(f"{out} holds a run of another command; remove it or pass --fresh")
-    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
-    flags_with_model = ["--model-name-or-path", args.model_dir, *flags]
-    run = run_measured(script, flags_with_model, out, args.fresh, env={"OMP_NUM_THREADS": threads})
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    flags = ["--model-name-or-path", args.model_dir, *[flag.replace("RUNS_DIR", args.runs_dir) for flag in command[1:]]]
+    run = run_measured(command[0], flags, out, args.fresh, env={"OMP_NUM_THREADS": str(threads)})
     with open(path, "w") as f:
-        json.dump([script, *flags], f)
-    return run
+        json.dump(command, f)
+    machine = {
+        "cpu": cpu_name(),
+        "torch": importlib.metadata.version("torch"),
+        "threads": threads,
+        "runs_at_a_time": args.jobs,
+    }
+    measured = {"seconds": run["seconds"], "peak_bytes": run["peak_bytes"], "rows": run["rows"]}
+    save_run(args, script, seed, {"command": command, **machine, **measured})
 
 
 def run_all(args: Args, runs: list[tuple[str, int]]) -> None:
@@ -109,18 +150,21 @@ def run_all(args: Args, runs: list[tuple[str, int]]) -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         done = {}
         for script, seed in runs:
-            command = (f"{script}.py", script_flags(args, script, seed), run_dir(args, script, seed))
             teacher = done.get(("grpo", 1)) if script == "opd" else None
-            done[script, seed] = pool.submit(lambda c=command, t=teacher: (t and t.result(), run_once(args, *c)))
+            done[script, seed] = pool.submit(lambda c=(script, seed), t=teacher: (t and t.result(), run_once(args, *c)))
         for future in done.values():
             future.result()  # a failed run stops the benchmark, with its log's path
 
 
 def pass_at_k(args: Args, script: str, seed: int, samples: int = 8) -> dict:
     """pass@k for k = 1, 2, 4, 8 of a run's final model on the held-out problems, from 8 responses sampled per problem at
-    temperature 1 (common.evaluate, the chat template applied as in training); saved to its folder."""
-    path = os.path.join(run_dir(args, script, seed), "pass_at_k.json")
-    if args.fresh or not os.path.isfile(path):
+    temperature 1 (common.evaluate, the chat template applied as in training); saved to its record, so measured once
+    while the run's model folder is there."""
+    record = load_run(args, script, seed)
+    if args.fresh or "pass_at_k" not in record:
+        model_dir = os.path.join(run_dir(args, script, seed), "model")
+        if not os.path.isdir(model_dir):
+            raise SystemExit(f"pass@k of {script}.py seed {seed} needs {model_dir}, not here; run it again with --fresh")
         import torch
 
         import common
@@ -128,26 +172,12 @@ def pass_at_k(args: Args, script: str, seed: int, samples: int = 8) -> dict:
         from plumbing import models
 
         common.seed_everything(seed)
-        model, tokenizer = models.load_model_and_tokenizer(
-            os.path.join(run_dir(args, script, seed), "model"), "", torch.device("cpu"), "sums"
-        )
+        model, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"), "sums")
         task = tasks.apply_chat_template(tasks.make_task("sums"), tokenizer, "auto", "")
         metrics = common.evaluate(model, tokenizer, task, 64, samples, 1.0)
-        with open(path, "w") as f:
-            json.dump({k: float(v) for k, v in metrics.items() if k != "samples"}, f)
-    with open(path) as f:
-        return json.load(f)
-
-
-def load_run(out: str) -> dict | None:
-    """The measured run in OUT (its metrics rows, seconds and peak memory), or None when it is not complete."""
-    if not os.path.isfile(os.path.join(out, "measured.json")):
-        return None
-    with open(os.path.join(out, "measured.json")) as f:
-        run = json.load(f)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        run["rows"] = [json.loads(line) for line in f]
-    return run
+        record["pass_at_k"] = {k: float(v) for k, v in metrics.items() if k != "samples"}
+        save_run(args, script, seed, record)
+    return record["pass_at_k"]
 
 
 def mean_over(rows: list[dict], key: str, steps: range) -> float:
@@ -171,6 +201,18 @@ def script_row(script: str, flags: list[str], run: dict) -> str:
     )
 
 
+def measured_on(args: Args) -> list[str]:
+    """One line per machine and setting the records were measured with, and how many runs each."""
+    records = [r for r in (load_run(args, s, seed) for s in SCRIPT_FLAGS for seed in args.seeds) if r]
+    settings = [(r["cpu"], r["torch"], r["runs_at_a_time"], r["threads"]) for r in records]
+    plural = lambda n, noun: f"{n} {noun}{'s' if n > 1 else ''}"
+    return [
+        f"- {cpu}, torch {torch}, {plural(jobs, 'run')} at a time with {plural(threads, 'thread')} each: "
+        f"{plural(settings.count((cpu, torch, jobs, threads)), 'run')}"
+        for cpu, torch, jobs, threads in sorted(set(settings))
+    ] or ["- no run yet"]
+
+
 def scripts_section(args: Args) -> list[str]:
     base = " ".join(EFFECT)
     lines = [
@@ -183,8 +225,8 @@ def scripts_section(args: Args) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for script in SCRIPT_FLAGS:
-        flags = script_flags(args, script, 1)
-        run = load_run(run_dir(args, script, 1))
+        flags = script_flags(script, 1)
+        run = load_run(args, script, 1)
         shown = flags[len(EFFECT) :] if flags[: len(EFFECT)] == EFFECT else flags
         lines.append(script_row(script, shown, run) if run else f"| `{script}.py` | `{' '.join(shown)}` | not run yet |")
     lines += [
@@ -258,10 +300,10 @@ METRICS = {
 }
 
 
-def headline_section(args: Args, with_pass_at_k: bool) -> list[str]:
+def headline_section(args: Args) -> list[str]:
     lines = []
     for other, claim in HEADLINE.items():
-        runs = {s: [load_run(run_dir(args, s, seed)) for seed in args.seeds] for s in ("grpo", other)}
+        runs = {s: [load_run(args, s, seed) for seed in args.seeds] for s in ("grpo", other)}
         seeds = {s: [seed for seed, r in zip(args.seeds, runs[s]) if r] for s in runs}
         lines += [f"### {other}.py against grpo.py", "", f"The claim: {claim}.", ""]
         lines += [
@@ -273,8 +315,8 @@ def headline_section(args: Args, with_pass_at_k: bool) -> list[str]:
         for label, metric, fmt in METRICS[other]:
             cells = [spread([metric(r) for r in runs[s] if r], fmt) for s in ("grpo", other)]
             lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
-        if other == "maxrl" and with_pass_at_k:
-            found = {s: [pass_at_k(args, s, seed) for seed, r in zip(args.seeds, runs[s]) if r] for s in ("grpo", "maxrl")}
+        if other == "maxrl":
+            found = {s: [r["pass_at_k"] for r in runs[s] if r and "pass_at_k" in r] for s in ("grpo", "maxrl")}
             for k in (1, 2, 4, 8):
                 cells = [spread([p[f"eval/pass@{k}"] for p in found[s]], ".1%") for s in ("grpo", "maxrl")]
                 lines.append(f"| pass@{k} at step 16 (8 samples, temperature 1) | {cells[0]} | {cells[1]} |")
@@ -301,14 +343,11 @@ def plot_effects(args: Args, path: str) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.4))
     for ax, (other, key, label) in zip(axes.flat, panels):
         for script, color in (("grpo", "tab:blue"), (other, "tab:orange")):
+            runs = [r for r in (load_run(args, script, seed) for seed in args.seeds) if r]
             if key == "pass@k":  # pass@1..8 of the final models, where pass_at_k measured them
-                paths = [os.path.join(run_dir(args, script, seed), "pass_at_k.json") for seed in args.seeds]
-                curves = []
-                for path in filter(os.path.isfile, paths):
-                    with open(path) as f:
-                        curves.append({int(k.split("@")[1]): v for k, v in json.load(f).items() if "pass@" in k})
+                found = [r["pass_at_k"] for r in runs if "pass_at_k" in r]
+                curves = [{int(k.split("@")[1]): v for k, v in p.items() if "pass@" in k} for p in found]
             else:
-                runs = [r for r in (load_run(run_dir(args, script, seed)) for seed in args.seeds) if r]
                 curves = [{x["step"]: x[key] for x in r["rows"] if key in x} for r in runs]
             xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
             if not xs:
@@ -348,15 +387,19 @@ if __name__ == "__main__":
     runs = [(s, 1) for s in scripts] if "scripts" in args.parts else []
     if "headline" in args.parts:
         runs += [(s, seed) for seed in args.seeds for s in ("grpo", *HEADLINE) if s in scripts and (s, seed) not in runs]
-    if ("opd", 1) in runs and "grpo" not in scripts and not load_run(run_dir(args, "grpo", 1)):
-        raise SystemExit("--only: opd.py's teacher is GRPO's seed-1 model, not run yet; add grpo")
+    teacher = os.path.join(run_dir(args, "grpo", 1), "model")
+    if ("opd", 1) in runs and needs_running(args, "opd", 1) and not os.path.isdir(teacher):
+        if ("grpo", 1) not in runs or not needs_running(args, "grpo", 1):
+            raise SystemExit(f"opd.py's teacher, GRPO's seed-1 model {teacher}, is not here: add `--only grpo` (with --fresh)")
     run_all(args, runs)
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    if "pass-at-k" in args.parts:
+        for script, seed in [(s, seed) for s in ("grpo", "maxrl") if s in scripts for seed in args.seeds]:
+            if load_run(args, script, seed):
+                pass_at_k(args, script, seed)
     lines = [
-        f"`python benchmark_effects.py`: SmolLM2-135M-Instruct, CPU, {args.jobs} run{'s' if args.jobs > 1 else ''} at a "
-        f"time, {threads} thread{'s' if threads > 1 else ''} each.",
+        "`python benchmark_effects.py`: SmolLM2-135M-Instruct, offline, on the CPU. Where each run was measured:",
         "",
-        f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
+        *measured_on(args),
         "",
         "## Every RL script",
         "",
@@ -364,7 +407,7 @@ if __name__ == "__main__":
         "",
         "## Headline effects against GRPO",
         "",
-        *headline_section(args, "pass-at-k" in args.parts),
+        *headline_section(args),
     ]
     with open(os.path.join(args.docs_dir, "effects.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

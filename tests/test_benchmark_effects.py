@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -35,38 +36,75 @@ def rows(accuracies, right_length, wrong_length):
     return out
 
 
-def test_a_run_folder_of_another_command_is_refused_before_anything_runs(tmp_path):
-    args = benchmark_effects.Args(model_dir="MODEL", runs_dir=str(tmp_path))
-    flags = benchmark_effects.script_flags(args, "grpo", 1)
-    folder = str(tmp_path / "grpo-seed1")
-    write_run(folder, rows([0.1, 0.2, 0.3], 10.0, 40.0), flags=["grpo.py", *flags[:-1], "2"])  # seed 2's command
+def write_record(args, script, seed, rows, seconds=60.0, cpu="CPU A"):
+    """A record as run_once saves it, for SCRIPT at SEED with EFFECT."""
+    command = [f"{script}.py", *benchmark_effects.script_flags(script, seed)]
+    record = {"command": command, "cpu": cpu, "torch": "2.13.0", "threads": 1, "runs_at_a_time": 2, "seconds": seconds}
+    benchmark_effects.save_run(args, script, seed, {**record, "peak_bytes": 2**30, "rows": rows})
+
+
+def test_a_finished_run_folder_becomes_a_record_and_a_record_is_not_run_again(tmp_path, monkeypatch):
+    args = benchmark_effects.Args(model_dir="MODEL", runs_dir=str(tmp_path / "runs"), docs_dir=str(tmp_path / "docs"))
+    command = ["grpo.py", *benchmark_effects.script_flags("grpo", 1)]
+    write_run(str(tmp_path / "runs" / "grpo-seed1"), rows([0.1, 0.2, 0.3], 10.0, 40.0), seconds=90.0, flags=command)
+    benchmark_effects.run_once(args, "grpo", 1)  # the folder is complete: nothing runs, its record is written
+    record = benchmark_effects.load_run(args, "grpo", 1)
+    assert record["command"] == command and record["seconds"] == 90.0 and record["rows"][-1]["eval/accuracy"] == 0.3
+    assert record["threads"] == max(1, (os.cpu_count() or 1) // args.jobs) and record["runs_at_a_time"] == 1
+    # another checkout: the record is there, the run folder is not; nothing may run
+    shutil.rmtree(tmp_path / "runs")
+    monkeypatch.setattr(benchmark_effects, "run_measured", lambda *a, **k: pytest.fail("a recorded run ran again"))
+    benchmark_effects.run_once(args, "grpo", 1)
+    assert not benchmark_effects.needs_running(args, "grpo", 1)
+    assert benchmark_effects.needs_running(benchmark_effects.Args(docs_dir=args.docs_dir, fresh=True), "grpo", 1)
+
+
+def test_a_record_or_run_folder_of_another_command_is_refused_before_anything_runs(tmp_path):
+    args = benchmark_effects.Args(model_dir="MODEL", runs_dir=str(tmp_path / "runs"), docs_dir=str(tmp_path / "docs"))
+    write_record(args, "grpo", 1, rows([0.1, 0.2, 0.3], 10.0, 40.0))
+    with open(benchmark_effects.record_path(args, "grpo", 1)) as f:
+        record = json.load(f)
+    benchmark_effects.save_run(args, "grpo", 1, {**record, "command": record["command"][:-1] + ["2"]})  # seed 2's
     with pytest.raises(SystemExit, match="holds a run of another command"):
-        benchmark_effects.run_once(args, "grpo.py", flags, folder)
-    write_run(folder, rows([0.1, 0.2, 0.3], 10.0, 40.0), flags=["grpo.py", *flags])  # the same command: reused
-    assert benchmark_effects.run_once(args, "grpo.py", flags, folder)["seconds"] == 60.0
+        benchmark_effects.run_once(args, "grpo", 1)
+    command = ["grpo.py", *benchmark_effects.script_flags("grpo", 2)]  # seed 2's command in seed 1's folder
+    write_run(str(tmp_path / "runs" / "grpo-seed1"), rows([0.1, 0.2, 0.3], 10.0, 40.0), flags=command)
+    os.remove(benchmark_effects.record_path(args, "grpo", 1))
+    with pytest.raises(SystemExit, match="holds a run of another command"):
+        benchmark_effects.run_once(args, "grpo", 1)
 
 
 def test_a_script_gets_the_shared_setting_and_only_its_own_flags():
-    args = benchmark_effects.Args(runs_dir="R")
-    opd = benchmark_effects.script_flags(args, "opd", 2)
+    opd = benchmark_effects.script_flags("opd", 2)
     assert opd[opd.index("--num-prompts") + 1] == "32" and opd[opd.index("--group-size") + 1] == "1"
-    assert opd[opd.index("--teacher") + 1] == "R/grpo-seed1/model" and opd[-2:] == ["--seed", "2"]
-    grpo = benchmark_effects.script_flags(args, "grpo", 1)
+    assert opd[opd.index("--teacher") + 1] == "RUNS_DIR/grpo-seed1/model" and opd[-2:] == ["--seed", "2"]
+    grpo = benchmark_effects.script_flags("grpo", 1)
     assert grpo == [*benchmark_effects.EFFECT, "--seed", "1"]
     assert grpo[grpo.index("--max-new-tokens") + 1] == "64" and grpo[grpo.index("--beta") + 1] == "0"
 
 
 def test_the_headline_table_gives_the_mean_and_range_over_the_seeds_found(tmp_path):
-    args = benchmark_effects.Args(runs_dir=str(tmp_path), seeds=[1, 2, 3])
-    write_run(str(tmp_path / "grpo-seed1"), rows([0.05, 0.2, 0.3], 12.0, 50.0))
-    write_run(str(tmp_path / "grpo-seed2"), rows([0.05, 0.2, 0.5], 14.0, 60.0))
-    write_run(str(tmp_path / "dr_grpo-seed1"), rows([0.05, 0.3, 0.4], 10.0, 20.0))  # seed 2 and 3 not run yet
-    lines = benchmark_effects.headline_section(args, with_pass_at_k=False)
+    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1, 2, 3])
+    write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0))
+    write_record(args, "grpo", 2, rows([0.05, 0.2, 0.5], 14.0, 60.0))
+    write_record(args, "dr_grpo", 1, rows([0.05, 0.3, 0.4], 10.0, 20.0))  # seed 2 and 3 not run yet
+    lines = benchmark_effects.headline_section(args)
     section = lines[lines.index("### dr_grpo.py against grpo.py") :]
     assert "Seeds found: grpo.py [1, 2], dr_grpo.py [1]; each cell is the mean (min-max) over them." in section
     assert "| held-out accuracy at step 16 | 40.0% (30.0%-50.0%) | 40.0% |" in section
     assert "| wrong responses' length, steps 13-16 | 55.0 (50.0-60.0) | 20.0 |" in section
     assert "| right responses' length, steps 13-16 | 13.0 (12.0-14.0) | 10.0 |" in section
+
+
+def test_the_page_says_on_which_machine_each_record_was_measured(tmp_path):
+    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1, 2])
+    write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0))
+    write_record(args, "grpo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), cpu="CPU B")
+    write_record(args, "rloo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), cpu="CPU B")
+    assert benchmark_effects.measured_on(args) == [
+        "- CPU A, torch 2.13.0, 2 runs at a time with 1 thread each: 1 run",
+        "- CPU B, torch 2.13.0, 2 runs at a time with 1 thread each: 2 runs",
+    ]
 
 
 def test_a_script_row_reads_its_first_and_last_steps():
@@ -81,15 +119,15 @@ def test_opd_starts_only_after_its_teacher_the_grpo_run_is_complete(tmp_path, mo
     free sooner."""
     events = []
 
-    def fake_run_once(args, script, flags, out):
+    def fake_run_once(args, script, seed):
         events.append(("start", script))
-        time.sleep(0.5 if script == "grpo.py" else 0.01)
+        time.sleep(0.5 if script == "grpo" else 0.01)
         events.append(("end", script))
 
     monkeypatch.setattr(benchmark_effects, "run_once", fake_run_once)
     args = benchmark_effects.Args(runs_dir=str(tmp_path), jobs=2)
     benchmark_effects.run_all(args, [("grpo", 1), ("rloo", 1), ("opd", 1)])
-    assert events.index(("start", "opd.py")) > events.index(("end", "grpo.py"))
+    assert events.index(("start", "opd")) > events.index(("end", "grpo"))
 
 
 def test_an_unknown_script_in_only_is_refused_in_one_line_before_anything_runs(tmp_path):
@@ -97,3 +135,11 @@ def test_an_unknown_script_in_only_is_refused_in_one_line_before_anything_runs(t
     result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 1 and "--only: 'drgrpo' is not one of grpo, rloo, dr_grpo" in result.stderr
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_opd_without_its_teacher_is_refused_in_one_line_before_anything_runs(tmp_path):
+    command = [sys.executable, "benchmark_effects.py", "--parts", "scripts", "--only", "opd", "--model-dir", "MODEL"]
+    command += ["--runs-dir", str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 1 and "opd.py's teacher, GRPO's seed-1 model" in result.stderr
+    assert "add `--only grpo`" in result.stderr and not os.listdir(tmp_path / "runs")
