@@ -12,7 +12,10 @@ a reference model), 16 steps, the 200 held-out problems answered greedily at ste
 1. scripts: every RL script once (seed 1) with EFFECT and the few flags its algorithm needs (SCRIPT_FLAGS); grpo_tools.py
    learns its own real-model task, measured by `python benchmark_real_model.py --tools` (docs/real-model/tools.md);
 2. headline: seeds 1-3 of GRPO and of each algorithm compared with it (HEADLINE);
-3. pass-at-k: pass@k for k = 1..8 of the final GRPO and MaxRL models (8 samples per held-out problem).
+3. pass-at-k: pass@k for k = 1..8 of the final GRPO and MaxRL models (8 samples per held-out problem);
+4. preference: pairs of SmolLM2's own answers to sums problems (its likeliest right answer against its likeliest wrong
+   one, preference_pairs.sample_verifier_pairs, built once and kept beside the records), then the preference family
+   and reward_model.py on them with PREFERENCE, some pairs held out by prompt.
 --only limits the runs to some scripts (run the benchmark in parts: `--parts headline --only grpo dr_grpo`).
 Each run is its own process, with --jobs processes at a time and cpu_count // jobs threads each. A complete run leaves
 its record in DOCS_DIR/effects-runs/SCRIPT-seedN.json (its command, metrics rows, minutes, peak memory, the CPU and the
@@ -49,6 +52,12 @@ SCRIPT_FLAGS = {
     "opd": ({"--num-prompts": "32", "--group-size": "1"}, ["--teacher", "RUNS_DIR/grpo-seed1/model"]),  # a teacher
     "grpo_engine": ({}, []),  # its defaults: the built-in engine in bf16, token-level TIS
 }
+# the preference family: SmolLM2's answers to PAIR_PROMPTS training problems of sums, PAIR_SAMPLES each at temperature 1,
+# the likeliest right one against the likeliest wrong one where a problem has both (both ended, none cut at the budget)
+PAIR_PROMPTS, PAIR_SAMPLES = 1024, 8
+PREFERENCE = ["--task", "sums", "--max-new-tokens", "64", "--num-eval", "64", "--batch-size", "32", "--total-steps", "40"]
+PREFERENCE += ["--eval-every", "20"]  # each script's own learning rate and beta (tuned on addition: docs/results.md)
+PREFERENCE_SCRIPTS = ("dpo", "ipo", "simpo", "orpo", "kto", "reward_model")
 # the algorithm compared with GRPO in each headline effect, and the paper that claims it
 HEADLINE = {
     "dr_grpo": "Dr. GRPO (Liu et al. 2025): no length or std normalisation, so wrong answers stop growing longer",
@@ -68,12 +77,12 @@ class Args:
     """where the runs go"""
     docs_dir: str = "docs/real-model"
     """where effects.md and effects.png go"""
-    parts: list[str] = field(default_factory=lambda: ["scripts", "headline", "pass-at-k"])
+    parts: list[str] = field(default_factory=lambda: ["scripts", "headline", "pass-at-k", "preference"])
     """which parts to run (the page is written from every run found)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """the headline part's seeds"""
     only: list[str] = field(default_factory=list)
-    """run only these scripts (default: all of SCRIPT_FLAGS)"""
+    """run only these scripts (default: all of SCRIPT_FLAGS and PREFERENCE_SCRIPTS)"""
     jobs: int = 1
     """runs at a time, each with cpu_count // jobs threads"""
     fresh: bool = False
@@ -89,7 +98,11 @@ def record_path(args: Args, script: str, seed: int) -> str:
 
 
 def script_flags(script: str, seed: int) -> list[str]:
-    """The command line of SCRIPT with EFFECT at SEED, the model folder excluded; RUNS_DIR stands for --runs-dir."""
+    """The command line of SCRIPT with EFFECT (or PREFERENCE) at SEED, the model folder excluded; RUNS_DIR stands for
+    --runs-dir and DOCS_DIR for --docs-dir."""
+    if script in PREFERENCE_SCRIPTS:  # kto.py learns from each pair's two answers as separate, labelled examples
+        pairs = "DOCS_DIR/effects-runs/sums-" + ("examples" if script == "kto" else "pairs") + ".jsonl"
+        return [*PREFERENCE, "--dataset", pairs, "--seed", str(seed)]
     changes, extra = SCRIPT_FLAGS[script]
     return [*with_values(EFFECT, changes), *extra, "--seed", str(seed)]
 
@@ -131,7 +144,8 @@ def run_once(args: Args, script: str, seed: int) -> None:
             if json.load(f) != command:
                 raise SystemExit(f"{out} holds a run of another command; remove it or pass --fresh")
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    flags = ["--model-name-or-path", args.model_dir, *[flag.replace("RUNS_DIR", args.runs_dir) for flag in command[1:]]]
+    paths = lambda flag: flag.replace("RUNS_DIR", args.runs_dir).replace("DOCS_DIR", args.docs_dir)
+    flags = ["--model-name-or-path", args.model_dir, *map(paths, command[1:])]
     run = run_measured(command[0], flags, out, args.fresh, env={"OMP_NUM_THREADS": str(threads)})
     with open(path, "w") as f:
         json.dump(command, f)
@@ -180,6 +194,61 @@ def pass_at_k(args: Args, script: str, seed: int, samples: int = 8) -> dict:
     return record["pass_at_k"]
 
 
+def pair_files(pairs: dict, plain: dict) -> tuple[list[dict], list[dict]]:
+    """The rows of sums-pairs.jsonl (dpo.py and its siblings, reward_model.py) and sums-examples.jsonl (kto.py) from
+    sample_verifier_pairs's PAIRS, whose prompts are rendered with the chat template: each gets back its plain prompt
+    and answer from PLAIN (rendered prompt -> (prompt, answer)), so that each script renders it again as in training
+    (a rendered prompt is refused); each answer keeps the end id it was sampled with."""
+    rows, examples = [], []
+    keys = ("prompt", "chosen", "rejected", "chosen_end", "rejected_end")
+    for prompt, chosen, rejected, chosen_end, rejected_end in zip(*(pairs[k] for k in keys)):
+        question, answer = plain[prompt]
+        rows.append({"prompt": question, "answer": answer, "chosen": chosen, "rejected": rejected})
+        rows[-1].update({"chosen_end": chosen_end, "rejected_end": rejected_end})
+        for completion, end, label in ((chosen, chosen_end, True), (rejected, rejected_end, False)):
+            examples.append({"prompt": question, "answer": answer, "completion": completion, "completion_end": end})
+            examples[-1]["label"] = label
+    return rows, examples
+
+
+def build_pairs(args: Args) -> dict:
+    """PAIR_PROMPTS problems answered PAIR_SAMPLES times by the model (preference_pairs.sample_verifier_pairs, seeded),
+    written to DOCS_DIR/effects-runs/sums-pairs.jsonl and sums-examples.jsonl with how they were built in
+    sums-pairs.json (kept, so built once on any checkout); returns that."""
+    folder = os.path.join(args.docs_dir, "effects-runs")
+    path = os.path.join(folder, "sums-pairs.json")
+    if args.fresh or not os.path.isfile(path):
+        import time
+        from types import SimpleNamespace
+
+        import torch
+
+        import preference_pairs
+        import tasks
+        from plumbing import models
+
+        torch.set_num_threads(os.cpu_count() or 1)  # alone: every run waits for the pairs
+        start = time.time()
+        model, tokenizer = models.load_model_and_tokenizer(args.model_dir, "", torch.device("cpu"), "sums")
+        plain = tasks.make_task("sums")
+        task = tasks.apply_chat_template(plain, tokenizer, "auto", "")
+        plain_of = dict(zip(task.train["prompt"], zip(plain.train["prompt"], plain.train["answer"])))
+        settings = SimpleNamespace(num_pair_prompts=PAIR_PROMPTS, group_size=PAIR_SAMPLES, max_new_tokens=64)
+        torch.manual_seed(0)
+        pairs, skipped = preference_pairs.sample_verifier_pairs(model, tokenizer, task, settings, torch.device("cpu"))
+        rows, examples = pair_files(pairs[:], plain_of)
+        os.makedirs(folder, exist_ok=True)
+        for name, lines in (("sums-pairs.jsonl", rows), ("sums-examples.jsonl", examples)):
+            with open(os.path.join(folder, name), "w") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+        built = {"prompts": PAIR_PROMPTS, "samples": PAIR_SAMPLES, "pairs": len(rows), "skipped": skipped}
+        built.update({"seconds": time.time() - start, "cpu": cpu_name(), "threads": torch.get_num_threads()})
+        with open(path, "w") as f:
+            json.dump(built, f, indent=1)
+    with open(path) as f:
+        return json.load(f)
+
+
 def mean_over(rows: list[dict], key: str, steps: range) -> float:
     """The mean of KEY over the rows of STEPS that log it (nan when none does)."""
     values = [r[key] for r in rows if r["step"] in steps and key in r]
@@ -203,14 +272,19 @@ def script_row(script: str, flags: list[str], run: dict) -> str:
 
 def measured_on(args: Args) -> list[str]:
     """One line per machine and setting the records were measured with, and how many runs each."""
-    records = [r for r in (load_run(args, s, seed) for s in SCRIPT_FLAGS for seed in args.seeds) if r]
+    scripts = (*SCRIPT_FLAGS, *PREFERENCE_SCRIPTS)
+    records = [r for r in (load_run(args, s, seed) for s in scripts for seed in args.seeds) if r]
     settings = [(r["cpu"], r["torch"], r["runs_at_a_time"], r["threads"]) for r in records]
     plural = lambda n, noun: f"{n} {noun}{'s' if n > 1 else ''}"
-    return [
-        f"- {cpu}, torch {torch}, {plural(jobs, 'run')} at a time with {plural(threads, 'thread')} each: "
-        f"{plural(settings.count((cpu, torch, jobs, threads)), 'run')}"
-        for cpu, torch, jobs, threads in sorted(set(settings))
-    ] or ["- no run yet"]
+    lines = []
+    for setting in sorted(set(settings)):
+        cpu, torch, jobs, threads = setting
+        minutes = sum(r["seconds"] for r, other in zip(records, settings) if other == setting) / 60
+        lines.append(
+            f"- {cpu}, torch {torch}, {plural(jobs, 'run')} at a time with {plural(threads, 'thread')} each: "
+            f"{plural(settings.count(setting), 'run')}, {minutes:.0f} minutes in all, about {minutes / jobs:.0f} of wall clock"
+        )
+    return lines or ["- no run yet"]
 
 
 def scripts_section(args: Args) -> list[str]:
@@ -234,6 +308,48 @@ def scripts_section(args: Args) -> list[str]:
         "`grpo_tools.py` learns its own task on this model (products, the calculator called in the chat format, after a "
         "supervised warm-up): `python benchmark_real_model.py --tools` measures it, in [tools.md](tools.md).",
     ]
+    return lines
+
+
+def at_evaluations(evals: list[dict], key: str, fmt: str) -> str:
+    """KEY at each evaluation, "a -> b -> c", or "-" where the script does not log it."""
+    return " -> ".join(f"{r[key]:{fmt}}" for r in evals) if key in evals[0] else "-"
+
+
+def preference_section(args: Args) -> list[str]:
+    path = os.path.join(args.docs_dir, "effects-runs", "sums-pairs.json")
+    if not os.path.isfile(path):
+        return ["Not run yet: `python benchmark_effects.py --parts preference`."]
+    with open(path) as f:
+        built = json.load(f)
+    lines = [
+        f"The pairs: SmolLM2-135M-Instruct answered {built['prompts']} training problems of sums {built['samples']} times "
+        "each at temperature 1 (64 new tokens, the chat template and the task's system message, as in RL); where a problem "
+        "had a right and a wrong answer, both ended, its most frequent right answer is chosen and its most frequent wrong "
+        f"one rejected: {built['pairs']} pairs ({built['skipped']} problems had no such pair), built in "
+        f"{built['seconds'] / 60:.1f} minutes with {built['threads']} threads on {built['cpu']}. They are "
+        "[effects-runs/sums-pairs.jsonl](effects-runs/sums-pairs.jsonl); kto.py reads each pair as a desirable and an "
+        "undesirable example (sums-examples.jsonl).",
+        "",
+        f"Each script with `--model-name-or-path MODEL_DIR {' '.join(PREFERENCE)} --dataset PAIRS --seed 1` and its own "
+        "learning rate and beta: 64 pairs are held out by prompt; the preference accuracy is the implicit reward's on them "
+        "(reward_model.py: its score's; kto.py: each held-out example on its side of the reference point z0), the task "
+        "accuracy and the length are those of the policy's greedy answers to their 64 prompts.",
+        "",
+        "| script | held-out preference accuracy, steps 0, 20, 40 | task accuracy | greedy length (tokens) | minutes | "
+        "peak memory (GiB) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for script in PREFERENCE_SCRIPTS:
+        run = load_run(args, script, 1)
+        if not run:
+            lines.append(f"| `{script}.py` | not run yet |")
+            continue
+        key = "eval/pairwise_accuracy" if script == "reward_model" else "eval/rewards_accuracies"
+        evals = [r for r in run["rows"] if key in r]
+        cells = [at_evaluations(evals, name, fmt) for name, fmt in ((key, ".1%"), ("eval/accuracy", ".1%"))]
+        cells += [at_evaluations(evals, "eval/response_length", ".1f"), f"{run['seconds'] / 60:.1f}", gib(run["peak_bytes"])]
+        lines.append(f"| `{script}.py` | {' | '.join(cells)} |")
     return lines
 
 
@@ -373,24 +489,27 @@ def plot_effects(args: Args, path: str) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     for part in args.parts:
-        if part not in ("scripts", "headline", "pass-at-k"):
-            raise SystemExit(f"--parts: {part!r} is not one of scripts, headline, pass-at-k")
+        if part not in ("scripts", "headline", "pass-at-k", "preference"):
+            raise SystemExit(f"--parts: {part!r} is not one of scripts, headline, pass-at-k, preference")
     for script in args.only:
-        if script not in SCRIPT_FLAGS:
-            raise SystemExit(f"--only: {script!r} is not one of {', '.join(SCRIPT_FLAGS)}")
+        if script not in (*SCRIPT_FLAGS, *PREFERENCE_SCRIPTS):
+            raise SystemExit(f"--only: {script!r} is not one of {', '.join((*SCRIPT_FLAGS, *PREFERENCE_SCRIPTS))}")
     if args.jobs < 1:
         raise SystemExit("--jobs must be at least 1")
     args.model_dir = args.model_dir or prepare_smollm2.prepare()
     os.makedirs(args.runs_dir, exist_ok=True)
     os.makedirs(args.docs_dir, exist_ok=True)
-    scripts = [s for s in SCRIPT_FLAGS if not args.only or s in args.only]
-    runs = [(s, 1) for s in scripts] if "scripts" in args.parts else []
+    scripts = [s for s in (*SCRIPT_FLAGS, *PREFERENCE_SCRIPTS) if not args.only or s in args.only]
+    runs = [(s, 1) for s in scripts if s in SCRIPT_FLAGS] if "scripts" in args.parts else []
     if "headline" in args.parts:
         runs += [(s, seed) for seed in args.seeds for s in ("grpo", *HEADLINE) if s in scripts and (s, seed) not in runs]
     teacher = os.path.join(run_dir(args, "grpo", 1), "model")
     if ("opd", 1) in runs and needs_running(args, "opd", 1) and not os.path.isdir(teacher):
         if ("grpo", 1) not in runs or not needs_running(args, "grpo", 1):
             raise SystemExit(f"opd.py's teacher, GRPO's seed-1 model {teacher}, is not here: add `--only grpo` (with --fresh)")
+    if "preference" in args.parts and any(s in PREFERENCE_SCRIPTS for s in scripts):
+        build_pairs(args)  # before any run, alone
+        runs += [(s, 1) for s in scripts if s in PREFERENCE_SCRIPTS]
     run_all(args, runs)
     if "pass-at-k" in args.parts:
         for script, seed in [(s, seed) for s in ("grpo", "maxrl") if s in scripts for seed in args.seeds]:
@@ -408,6 +527,9 @@ if __name__ == "__main__":
         "## Headline effects against GRPO",
         "",
         *headline_section(args),
+        "## The preference family",
+        "",
+        *preference_section(args),
     ]
     with open(os.path.join(args.docs_dir, "effects.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

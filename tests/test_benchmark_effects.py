@@ -98,12 +98,12 @@ def test_the_headline_table_gives_the_mean_and_range_over_the_seeds_found(tmp_pa
 
 def test_the_page_says_on_which_machine_each_record_was_measured(tmp_path):
     args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1, 2])
-    write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0))
-    write_record(args, "grpo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), cpu="CPU B")
-    write_record(args, "rloo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), cpu="CPU B")
+    write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0), seconds=600.0)
+    write_record(args, "grpo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), seconds=120.0, cpu="CPU B")
+    write_record(args, "rloo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), seconds=60.0, cpu="CPU B")
     assert benchmark_effects.measured_on(args) == [
-        "- CPU A, torch 2.13.0, 2 runs at a time with 1 thread each: 1 run",
-        "- CPU B, torch 2.13.0, 2 runs at a time with 1 thread each: 2 runs",
+        "- CPU A, torch 2.13.0, 2 runs at a time with 1 thread each: 1 run, 10 minutes in all, about 5 of wall clock",
+        "- CPU B, torch 2.13.0, 2 runs at a time with 1 thread each: 2 runs, 3 minutes in all, about 2 of wall clock",
     ]
 
 
@@ -143,3 +143,44 @@ def test_opd_without_its_teacher_is_refused_in_one_line_before_anything_runs(tmp
     result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 1 and "opd.py's teacher, GRPO's seed-1 model" in result.stderr
     assert "add `--only grpo`" in result.stderr and not os.listdir(tmp_path / "runs")
+
+
+def test_the_pairs_files_get_back_the_plain_prompt_and_answer_and_keep_each_end_id():
+    sampled = {"prompt": ["<r>What is 1 + 2?</r>"], "chosen": ["1 + 2 = 3. 3"], "rejected": ["1 + 2 = 4. 4"]}
+    sampled.update({"chosen_end": [2], "rejected_end": [7]})
+    rows, examples = benchmark_effects.pair_files(sampled, {"<r>What is 1 + 2?</r>": ("What is 1 + 2?", "3")})
+    assert rows == [
+        {"prompt": "What is 1 + 2?", "answer": "3", "chosen": "1 + 2 = 3. 3", "rejected": "1 + 2 = 4. 4", "chosen_end": 2}
+        | {"rejected_end": 7}
+    ]
+    assert [(e["completion"], e["completion_end"], e["label"]) for e in examples] == [
+        ("1 + 2 = 3. 3", 2, True),
+        ("1 + 2 = 4. 4", 7, False),
+    ]
+    assert {e["prompt"] for e in examples} == {"What is 1 + 2?"} and {e["answer"] for e in examples} == {"3"}
+
+
+def test_kto_reads_the_examples_and_its_siblings_the_pairs():
+    kto, dpo = benchmark_effects.script_flags("kto", 1), benchmark_effects.script_flags("dpo", 1)
+    assert kto[kto.index("--dataset") + 1] == "DOCS_DIR/effects-runs/sums-examples.jsonl"
+    assert dpo[dpo.index("--dataset") + 1] == "DOCS_DIR/effects-runs/sums-pairs.jsonl"
+    assert dpo[: len(benchmark_effects.PREFERENCE)] == benchmark_effects.PREFERENCE
+
+
+def test_a_preference_row_reads_each_evaluation(tmp_path):
+    args = benchmark_effects.Args(docs_dir=str(tmp_path))
+    os.makedirs(tmp_path / "effects-runs")
+    with open(tmp_path / "effects-runs" / "sums-pairs.json", "w") as f:
+        json.dump({"prompts": 16, "samples": 8, "pairs": 5, "skipped": 11, "seconds": 120.0, "cpu": "C", "threads": 2}, f)
+    evals = [
+        {"step": s, "eval/rewards_accuracies": a, "eval/accuracy": b, "eval/response_length": n}
+        for s, a, b, n in ((0, 0.0, 0.0625, 60.0), (20, 0.5, 0.25, 30.0), (40, 0.75, 0.5, 12.5))
+    ]
+    write_record(args, "dpo", 1, [evals[0], {"step": 1, "loss/dpo": 0.6}, *evals[1:]], seconds=300.0)
+    write_record(
+        args, "reward_model", 1, [{"step": 0, "eval/pairwise_accuracy": 0.5}, {"step": 40, "eval/pairwise_accuracy": 0.9}]
+    )
+    lines = benchmark_effects.preference_section(args)
+    assert "| `dpo.py` | 0.0% -> 50.0% -> 75.0% | 6.2% -> 25.0% -> 50.0% | 60.0 -> 30.0 -> 12.5 | 5.0 | 1.00 |" in lines
+    assert "| `reward_model.py` | 50.0% -> 90.0% | - | - | 1.0 | 1.00 |" in lines
+    assert "| `kto.py` | not run yet |" in lines and any("5 pairs (11 problems had no such pair)" in line for line in lines)
