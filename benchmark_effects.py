@@ -55,7 +55,7 @@ SCRIPT_FLAGS = {
 # the preference family: SmolLM2's answers to PAIR_PROMPTS training problems of sums, PAIR_SAMPLES each at temperature 1,
 # the likeliest right one against the likeliest wrong one where a problem has both (both ended, none cut at the budget)
 PAIR_PROMPTS, PAIR_SAMPLES = 1024, 8
-PREFERENCE = ["--task", "sums", "--max-new-tokens", "64", "--num-eval", "64", "--batch-size", "32", "--total-steps", "40"]
+PREFERENCE = ["--task", "sums", "--max-new-tokens", "64", "--num-eval", "64", "--batch-size", "16", "--total-steps", "40"]
 PREFERENCE += ["--eval-every", "20"]  # each script's own learning rate and beta (tuned on addition: docs/results.md)
 PREFERENCE_SCRIPTS = ("dpo", "ipo", "simpo", "orpo", "kto", "reward_model")
 # the algorithm compared with GRPO in each headline effect, and the paper that claims it
