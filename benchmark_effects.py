@@ -44,7 +44,14 @@ SCRIPT_FLAGS = {
     "dr_grpo": ({}, []),
     "dapo": ({}, []),  # its own defaults: clip-higher, dynamic sampling, an overlong buffer of half the budget
     "gspo": ({}, []),  # its own defaults: 4 minibatches, the sequence-level clip range
-    "ppo": ({"--num-prompts": "32", "--group-size": "1"}, []),  # one response per prompt and a critic: its shape
+    # one response per prompt and a critic, its shape; lambda 1 (with 0.95 the score at the last of 64 tokens reaches the
+    # first at 0.95^63 = 4%: VC-PPO, Yuan et al. 2025), the siblings' 2 updates per rollout, the critic at 10x the actor's
+    # rate (verl's and OpenRLHF's ratio). With ppo.py's own 2 epochs x 4 minibatches, lambda 0.95 and the critic at 1e-5
+    # it does not learn here (7.0% -> 7.5%, 92% of its responses cut at the budget): docs/effects.md#ppo-on-the-real-model
+    "ppo": (
+        {"--num-prompts": "32", "--group-size": "1"},
+        ["--lam", "1.0", "--num-epochs", "1", "--num-minibatches", "2", "--critic-learning-rate", "1e-4"],
+    ),
     "cispo": ({}, []),
     "reinforce_pp": ({}, []),
     "sapo": ({}, []),
@@ -54,7 +61,7 @@ SCRIPT_FLAGS = {
 }
 # the preference family: SmolLM2's answers to PAIR_PROMPTS training problems of sums, PAIR_SAMPLES each at temperature 1,
 # the likeliest right one against the likeliest wrong one where a problem has both (both ended, none cut at the budget)
-PAIR_PROMPTS, PAIR_SAMPLES = 1024, 8
+PAIR_PROMPTS, PAIR_SAMPLES = 512, 8
 PREFERENCE = ["--task", "sums", "--max-new-tokens", "64", "--num-eval", "64", "--batch-size", "16", "--total-steps", "40"]
 PREFERENCE += ["--eval-every", "20"]  # each script's own learning rate and beta (tuned on addition: docs/results.md)
 PREFERENCE_SCRIPTS = ("dpo", "ipo", "simpo", "orpo", "kto", "reward_model")
@@ -227,7 +234,7 @@ def build_pairs(args: Args) -> dict:
         import tasks
         from plumbing import models
 
-        torch.set_num_threads(os.cpu_count() or 1)  # alone: every run waits for the pairs
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))  # as a run: cpu_count // jobs threads
         start = time.time()
         model, tokenizer = models.load_model_and_tokenizer(args.model_dir, "", torch.device("cpu"), "sums")
         plain = tasks.make_task("sums")
@@ -508,7 +515,7 @@ if __name__ == "__main__":
         if ("grpo", 1) not in runs or not needs_running(args, "grpo", 1):
             raise SystemExit(f"opd.py's teacher, GRPO's seed-1 model {teacher}, is not here: add `--only grpo` (with --fresh)")
     if "preference" in args.parts and any(s in PREFERENCE_SCRIPTS for s in scripts):
-        build_pairs(args)  # before any run, alone
+        build_pairs(args)  # before any run
         runs += [(s, 1) for s in scripts if s in PREFERENCE_SCRIPTS]
     run_all(args, runs)
     if "pass-at-k" in args.parts:

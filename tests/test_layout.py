@@ -354,6 +354,24 @@ def test_each_script_of_the_readme_links_its_section():
             assert (page, anchor) == ("docs/algorithms.md", anchors[script]), row["script"]
 
 
+def test_each_rl_section_quotes_its_real_model_row():
+    """Every RL script with a row in the real-model effects page (docs/real-model/effects.md, written by
+    benchmark_effects.py) has its held-out accuracy there, first -> last, quoted in its section's "Measured:" line, with a
+    link to the page."""
+    rows = markdown_rows(read(os.path.join("docs", "real-model", "effects.md")))
+    measured = {}
+    for row in rows:
+        cell = row.get("held-out accuracy, steps 0, 8, 16", "")
+        if "->" in cell:
+            accuracies = cell.split(" -> ")
+            measured[re.match(r"`(\w+)\.py`", row["script"]).group(1)] = f"{accuracies[0]} -> {accuracies[-1]}"
+    assert len(measured) >= 11
+    sections = algorithm_sections()
+    for script, quoted in measured.items():
+        text = " ".join(sections[script].split("**Measured:**")[1].split("\n\n")[0].split())
+        assert "(real-model/effects.md#every-rl-script)" in text and quoted in text, (script, quoted)
+
+
 def test_each_algorithm_section_states_what_was_measured():
     """Every section of docs/algorithms.md has a "Measured:" line with a link to its measurement; for a script of the
     benchmark's tables it quotes their end accuracies on both built-in tasks, as the README's results table does."""
