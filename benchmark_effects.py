@@ -13,9 +13,10 @@ a reference model), 16 steps, the 200 held-out problems answered greedily at ste
    learns its own real-model task, measured by `python benchmark_real_model.py --tools` (docs/real-model/tools.md);
 2. headline: seeds 1-3 of GRPO and of each algorithm compared with it (HEADLINE);
 3. pass-at-k: pass@k for k = 1..8 of the final GRPO and MaxRL models (8 samples per held-out problem);
-4. preference: pairs of SmolLM2's own answers to sums problems (its likeliest right answer against its likeliest wrong
-   one, preference_pairs.sample_verifier_pairs, built once and kept beside the records), then the preference family
-   and reward_model.py on them with PREFERENCE, some pairs held out by prompt.
+4. preference: pairs of answers to sums problems by GRPO's seed-1 model, SmolLM2 after 16 steps of grpo.py (a
+   problem's likeliest right answer against its likeliest wrong one, preference_pairs.sample_verifier_pairs, built once
+   and kept beside the records), then the preference family and reward_model.py from the untrained model on them with
+   PREFERENCE, some pairs held out by prompt.
 --only limits the runs to some scripts (run the benchmark in parts: `--parts headline --only grpo dr_grpo`).
 Each run is its own process, with --jobs processes at a time and cpu_count // jobs threads each. A complete run leaves
 its record in DOCS_DIR/effects-runs/SCRIPT-seedN.json (its command, metrics rows, minutes, peak memory, the CPU and the
@@ -59,8 +60,10 @@ SCRIPT_FLAGS = {
     "opd": ({"--num-prompts": "32", "--group-size": "1"}, ["--teacher", "RUNS_DIR/grpo-seed1/model"]),  # a teacher
     "grpo_engine": ({}, []),  # its defaults: the built-in engine in bf16, token-level TIS
 }
-# the preference family: SmolLM2's answers to PAIR_PROMPTS training problems of sums, PAIR_SAMPLES each at temperature 1,
-# the likeliest right one against the likeliest wrong one where a problem has both (both ended, none cut at the budget)
+# the preference family: GRPO's seed-1 model answers PAIR_PROMPTS training problems of sums, PAIR_SAMPLES times each at
+# temperature 1; its likeliest right answer against its likeliest wrong one where a problem has both (both ended, none cut
+# at the budget). Not the untrained model's answers: right 7% of the time, they made 45 pairs of 512 problems x 8 (26
+# minutes, one thread), too few to train on and hold out
 PAIR_PROMPTS, PAIR_SAMPLES = 512, 8
 PREFERENCE = ["--task", "sums", "--max-new-tokens", "64", "--num-eval", "64", "--batch-size", "16", "--total-steps", "40"]
 PREFERENCE += ["--eval-every", "20"]  # each script's own learning rate and beta (tuned on addition: docs/results.md)
@@ -219,12 +222,15 @@ def pair_files(pairs: dict, plain: dict) -> tuple[list[dict], list[dict]]:
 
 
 def build_pairs(args: Args) -> dict:
-    """PAIR_PROMPTS problems answered PAIR_SAMPLES times by the model (preference_pairs.sample_verifier_pairs, seeded),
-    written to DOCS_DIR/effects-runs/sums-pairs.jsonl and sums-examples.jsonl with how they were built in
+    """PAIR_PROMPTS problems answered PAIR_SAMPLES times by GRPO's seed-1 model (preference_pairs.sample_verifier_pairs,
+    seeded), written to DOCS_DIR/effects-runs/sums-pairs.jsonl and sums-examples.jsonl with how they were built in
     sums-pairs.json (kept, so built once on any checkout); returns that."""
     folder = os.path.join(args.docs_dir, "effects-runs")
     path = os.path.join(folder, "sums-pairs.json")
     if args.fresh or not os.path.isfile(path):
+        answering = os.path.join(run_dir(args, "grpo", 1), "model")
+        if not os.path.isdir(answering):
+            raise SystemExit(f"--parts preference: the pairs' answers come from {answering}, not here: run grpo seed 1 first")
         import time
         from types import SimpleNamespace
 
@@ -236,7 +242,7 @@ def build_pairs(args: Args) -> dict:
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))  # as a run: cpu_count // jobs threads
         start = time.time()
-        model, tokenizer = models.load_model_and_tokenizer(args.model_dir, "", torch.device("cpu"), "sums")
+        model, tokenizer = models.load_model_and_tokenizer(answering, "", torch.device("cpu"), "sums")
         plain = tasks.make_task("sums")
         task = tasks.apply_chat_template(plain, tokenizer, "auto", "")
         plain_of = dict(zip(task.train["prompt"], zip(plain.train["prompt"], plain.train["answer"])))
@@ -330,18 +336,21 @@ def preference_section(args: Args) -> list[str]:
     with open(path) as f:
         built = json.load(f)
     lines = [
-        f"The pairs: SmolLM2-135M-Instruct answered {built['prompts']} training problems of sums {built['samples']} times "
-        "each at temperature 1 (64 new tokens, the chat template and the task's system message, as in RL); where a problem "
+        f"The pairs: GRPO's seed-1 model (SmolLM2-135M-Instruct after 16 steps of `grpo.py` above) answered "
+        f"{built['prompts']} training problems of sums {built['samples']} times each at temperature 1 (64 new tokens, the "
+        "chat template and the task's system message, as in RL); the untrained model is right too rarely (45 pairs from "
+        "512 problems x 8). Where a problem "
         "had a right and a wrong answer, both ended, its most frequent right answer is chosen and its most frequent wrong "
         f"one rejected: {built['pairs']} pairs ({built['skipped']} problems had no such pair), built in "
         f"{built['seconds'] / 60:.1f} minutes with {built['threads']} threads on {built['cpu']}. They are "
         "[effects-runs/sums-pairs.jsonl](effects-runs/sums-pairs.jsonl); kto.py reads each pair as a desirable and an "
         "undesirable example (sums-examples.jsonl).",
         "",
-        f"Each script with `--model-name-or-path MODEL_DIR {' '.join(PREFERENCE)} --dataset PAIRS --seed 1` and its own "
-        "learning rate and beta: 64 pairs are held out by prompt; the preference accuracy is the implicit reward's on them "
-        "(reward_model.py: its score's; kto.py: each held-out example on its side of the reference point z0), the task "
-        "accuracy and the length are those of the policy's greedy answers to their 64 prompts.",
+        f"Each script from the untrained model, `--model-name-or-path MODEL_DIR {' '.join(PREFERENCE)} --dataset PAIRS "
+        "--seed 1`, with its own learning rate and beta: 64 pairs are held out by prompt; the preference accuracy is the "
+        "implicit reward's on them (reward_model.py: its score's; kto.py: each held-out example on its side of the "
+        "reference point z0), the task accuracy and the length are those of the policy's greedy answers to their 64 "
+        "prompts.",
         "",
         "| script | held-out preference accuracy, steps 0, 20, 40 | task accuracy | greedy length (tokens) | minutes | "
         "peak memory (GiB) |",

@@ -184,3 +184,11 @@ def test_a_preference_row_reads_each_evaluation(tmp_path):
     assert "| `dpo.py` | 0.0% -> 50.0% -> 75.0% | 6.2% -> 25.0% -> 50.0% | 60.0 -> 30.0 -> 12.5 | 5.0 | 1.00 |" in lines
     assert "| `reward_model.py` | 50.0% -> 90.0% | - | - | 1.0 | 1.00 |" in lines
     assert "| `kto.py` | not run yet |" in lines and any("5 pairs (11 problems had no such pair)" in line for line in lines)
+
+
+def test_the_preference_part_without_the_model_that_answers_is_refused_in_one_line(tmp_path):
+    command = [sys.executable, "benchmark_effects.py", "--parts", "preference", "--only", "dpo", "--model-dir", "MODEL"]
+    command += ["--runs-dir", str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 1 and "--parts preference: the pairs' answers come from" in result.stderr
+    assert "grpo-seed1/model" in result.stderr and not os.path.exists(tmp_path / "docs" / "effects-runs")
