@@ -12,7 +12,9 @@ a reference model), 16 steps, the 200 held-out problems answered greedily at ste
 1. scripts: every RL script once (seed 1) with EFFECT and the few flags its algorithm needs (SCRIPT_FLAGS); grpo_tools.py
    learns its own real-model task, measured by `python benchmark_real_model.py --tools` (docs/real-model/tools.md);
 2. headline: seeds 1-3 of GRPO and of each algorithm compared with it (HEADLINE);
-3. pass-at-k: pass@k for k = 1..8 of the final GRPO and MaxRL models (8 samples per held-out problem);
+3. pass-at-k: 8 answers sampled per held-out problem by the untrained model and the final GRPO, MaxRL and RLOO models:
+   pass@k for k = 1, 2, 4, 8 (MaxRL's claim), and how GRPO's and RLOO's advantages weigh problems by how many of 8
+   answers are right (the std normalisation's bias toward easy and hard problems);
 4. preference: pairs of answers to sums problems by GRPO's seed-1 model, SmolLM2 after 16 steps of grpo.py (a
    problem's likeliest right answer against its likeliest wrong one, preference_pairs.sample_verifier_pairs, built once
    and kept beside the records), then the preference family and reward_model.py from the untrained model on them with
@@ -180,28 +182,64 @@ def run_all(args: Args, runs: list[tuple[str, int]]) -> None:
             future.result()  # a failed run stops the benchmark, with its log's path
 
 
-def pass_at_k(args: Args, script: str, seed: int, samples: int = 8) -> dict:
-    """pass@k for k = 1, 2, 4, 8 of a run's final model on the held-out problems, from 8 responses sampled per problem at
-    temperature 1 (common.evaluate, the chat template applied as in training); saved to its record, so measured once
-    while the run's model folder is there."""
+def correct_counts(model_dir: str, threads: int) -> list[int]:
+    """How many of 8 answers are right for each held-out problem, sampled at temperature 1 with 64 new tokens and the
+    chat template applied as in training (common.sampled_correct_counts)."""
+    import torch
+
+    import common
+    import tasks
+    from plumbing import models
+
+    torch.set_num_threads(threads)
+    model, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"), "sums")
+    task = tasks.apply_chat_template(tasks.make_task("sums"), tokenizer, "auto", "")
+    return common.sampled_correct_counts(model, tokenizer, task, task.eval, 64, 8, 1.0, 512).tolist()
+
+
+def sample_final_model(args: Args, script: str, seed: int) -> None:
+    """correct_counts of a run's final model and its pass@k for k = 1, 2, 4, 8 (the unbiased estimator,
+    common.pass_at_k_samples), saved to its record: measured once, while the run's model folder is there."""
     record = load_run(args, script, seed)
-    if args.fresh or "pass_at_k" not in record:
+    if args.fresh or "correct_counts" not in record:
         model_dir = os.path.join(run_dir(args, script, seed), "model")
         if not os.path.isdir(model_dir):
             raise SystemExit(f"pass@k of {script}.py seed {seed} needs {model_dir}, not here; run it again with --fresh")
         import torch
 
         import common
-        import tasks
-        from plumbing import models
 
-        common.seed_everything(seed)
-        model, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"), "sums")
-        task = tasks.apply_chat_template(tasks.make_task("sums"), tokenizer, "auto", "")
-        metrics = common.evaluate(model, tokenizer, task, 64, samples, 1.0)
-        record["pass_at_k"] = {k: float(v) for k, v in metrics.items() if k != "samples"}
+        record["correct_counts"] = correct_counts(model_dir, max(1, (os.cpu_count() or 1) // args.jobs))
+        passes = common.pass_at_k_samples(torch.tensor(record["correct_counts"]), 8)
+        record["pass_at_k"] = {k: v.float().mean().item() for k, v in passes.items()}
         save_run(args, script, seed, record)
-    return record["pass_at_k"]
+
+
+def sample_untrained_model(args: Args) -> list[int]:
+    """correct_counts of the untrained model, kept in DOCS_DIR/effects-runs/untrained.json."""
+    path = os.path.join(args.docs_dir, "effects-runs", "untrained.json")
+    if args.fresh or not os.path.isfile(path):
+        counts = correct_counts(args.model_dir, max(1, (os.cpu_count() or 1) // args.jobs))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"model": "SmolLM2-135M-Instruct, untrained", "cpu": cpu_name(), "correct_counts": counts}, f)
+    with open(path) as f:
+        return json.load(f)["correct_counts"]
+
+
+# problems by how many of 8 sampled answers are right; all right or all wrong carry no advantage in either script
+DIFFICULTY = {"hard (1-2 of 8 right)": (1, 2), "middle (3-5)": (3, 5), "easy (6-7)": (6, 7)}
+
+
+def update_weight_shares(counts: list[int], compute_advantages) -> dict:
+    """The share of an update's total |advantage| that goes to the problems of each DIFFICULTY band, were each problem a
+    group of 8 answers with COUNTS of them right, weighed by COMPUTE_ADVANTAGES (grpo.py's or rloo.py's own)."""
+    import torch
+
+    rewards = torch.tensor([[1.0] * c + [0.0] * (8 - c) for c in counts]).view(-1)  # (P * 8,) each group contiguous
+    weight = compute_advantages(rewards, 8).abs().view(-1, 8).sum(dim=1)  # (P,) a problem's total |A|
+    band = lambda low, high: torch.tensor([low <= c <= high for c in counts])
+    return {name: (weight[band(*bounds)].sum() / weight.sum()).item() for name, bounds in DIFFICULTY.items()}
 
 
 def pair_files(pairs: dict, plain: dict) -> tuple[list[dict], list[dict]]:
@@ -428,8 +466,38 @@ METRICS = {
         ("tokens past the clip on the advantage's side, steps 1-16", past_clip_share, ".2%"),
     ],
     "maxrl": [("held-out accuracy at step 16", final_accuracy, ".1%")],
-    "rloo": [("held-out accuracy at step 16", final_accuracy, ".1%")],
+    "rloo": [("held-out accuracy at step 16", final_accuracy, ".1%")],  # and the update's weight by difficulty, below
 }
+
+
+def difficulty_rows(args: Args, runs: dict) -> list[str]:
+    """The share of the update each script's advantages give to hard, middle and easy problems: on the untrained model's
+    answers (the same counts, each script's weights) and on each script's own final model's answers."""
+    import grpo
+    import rloo
+
+    weigh = {"grpo": grpo.compute_advantages, "rloo": rloo.compute_advantages}
+    untrained = os.path.join(args.docs_dir, "effects-runs", "untrained.json")
+    lines = []
+    if os.path.isfile(untrained):
+        with open(untrained) as f:
+            counts = json.load(f)["correct_counts"]
+        shares = {s: update_weight_shares(counts, weigh[s]) for s in weigh}
+        for band in DIFFICULTY:
+            lines.append(
+                f"| update on {band} problems, the untrained model's answers | {shares['grpo'][band]:.1%} | "
+                f"{shares['rloo'][band]:.1%} |"
+            )
+    for band in DIFFICULTY:
+        cells = [
+            spread(
+                [update_weight_shares(r["correct_counts"], weigh[s])[band] for r in runs[s] if r and "correct_counts" in r],
+                ".1%",
+            )
+            for s in weigh
+        ]
+        lines.append(f"| update on {band} problems, its own model's answers at step 16 | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def headline_section(args: Args) -> list[str]:
@@ -452,6 +520,8 @@ def headline_section(args: Args) -> list[str]:
             for k in (1, 2, 4, 8):
                 cells = [spread([p[f"eval/pass@{k}"] for p in found[s]], ".1%") for s in ("grpo", "maxrl")]
                 lines.append(f"| pass@{k} at step 16 (8 samples, temperature 1) | {cells[0]} | {cells[1]} |")
+        if other == "rloo":
+            lines += difficulty_rows(args, runs)
         lines.append("")
     return lines
 
@@ -528,9 +598,10 @@ if __name__ == "__main__":
         runs += [(s, 1) for s in scripts if s in PREFERENCE_SCRIPTS]
     run_all(args, runs)
     if "pass-at-k" in args.parts:
-        for script, seed in [(s, seed) for s in ("grpo", "maxrl") if s in scripts for seed in args.seeds]:
+        sample_untrained_model(args)
+        for script, seed in [(s, seed) for s in ("grpo", "maxrl", "rloo") if s in scripts for seed in args.seeds]:
             if load_run(args, script, seed):
-                pass_at_k(args, script, seed)
+                sample_final_model(args, script, seed)
     lines = [
         "`python benchmark_effects.py`: SmolLM2-135M-Instruct, offline, on the CPU. Where each run was measured:",
         "",

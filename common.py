@@ -321,27 +321,36 @@ def pass_at_k_samples(num_correct: torch.Tensor, n: int) -> dict:
 
 def sampled_pass_at_k(model, tokenizer, task, dataset, max_new_tokens, eval_samples, temperature, batch_size) -> dict:
     """eval/pass@k on `dataset`: each problem answered `eval_samples` times at `temperature`, pass_at_k of its count of
-    correct answers, averaged over the problems. The sampling draws from a random stream of its own, seeded the same at
-    every evaluation, so that turning it on leaves training exactly as it was."""
+    correct answers, averaged over the problems."""
     if eval_samples == 0:
         return {}
+    num_correct = sampled_correct_counts(
+        model, tokenizer, task, dataset, max_new_tokens, eval_samples, temperature, batch_size
+    )
+    pooled = pool_metrics([pass_at_k_samples(num_correct, eval_samples)])  # under torchrun: every rank's
+    return {name: value.item() for name, value in pooled.items()}
+
+
+def sampled_correct_counts(model, tokenizer, task, dataset, max_new_tokens, n, temperature, batch_size) -> torch.Tensor:
+    """How many of n answers sampled at `temperature` are correct, for each problem of `dataset` (under torchrun, of
+    this rank's share): (P,). The sampling draws from a random stream of its own, seeded the same at every call, so that
+    an evaluation leaves training exactly as it was."""
     device = next(model.parameters()).device
     rows = torch.arange(len(dataset)).tensor_split(dist.world_size())[dist.rank()]  # under torchrun: this rank's share
-    per_batch = max(1, batch_size // eval_samples)  # problems per batch: about batch_size responses
+    per_batch = max(1, batch_size // n)  # problems per batch: about batch_size responses
     num_batches = math.ceil(math.ceil(len(dataset) / dist.world_size()) / per_batch)  # the same on every rank
     num_correct = []  # (P,) per batch
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(dist.rank())  # every evaluation draws the same random numbers
         for part in rows.tensor_split(num_batches):
             batch = dataset[part.tolist()]
-            prompts = [p for p in batch["prompt"] for _ in range(eval_samples)]  # each problem's answers contiguous
-            answers = [a for a in batch["answer"] for _ in range(eval_samples)]
+            prompts = [p for p in batch["prompt"] for _ in range(n)]  # each problem's answers contiguous
+            answers = [a for a in batch["answer"] for _ in range(n)]
             prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
             ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
             correct = task.reward(decode(tokenizer, ids, mask, truncated), answers)  # (B,)
-            num_correct.append(correct.view(-1, eval_samples).sum(dim=1))
-    pooled = pool_metrics([pass_at_k_samples(torch.cat(num_correct), eval_samples)])  # under torchrun: every rank's
-    return {name: value.item() for name, value in pooled.items()}
+            num_correct.append(correct.view(-1, n).sum(dim=1))
+    return torch.cat(num_correct)
 
 
 def lengths_by_outcome(lengths: torch.Tensor, scores: torch.Tensor) -> dict:

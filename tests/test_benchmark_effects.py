@@ -192,3 +192,30 @@ def test_the_preference_part_without_the_model_that_answers_is_refused_in_one_li
     result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 1 and "--parts preference: the pairs' answers come from" in result.stderr
     assert "grpo-seed1/model" in result.stderr and not os.path.exists(tmp_path / "docs" / "effects-runs")
+
+
+def test_the_update_weight_by_difficulty_is_grpos_and_rloos_own_weighting(tmp_path):
+    """Problems with 1, 4 and 7 of 8 answers right. GRPO: a group's total |A| is 8 * 2p(1-p) / std = 16 sqrt(p(1-p)),
+    5.29, 8 and 5.29 (eps 1e-4 moves it by 3e-4 relative); RLOO: 8/7 * 16 p(1-p), 2, 4.57 and 2. All right or all wrong
+    (0 and 8) weigh nothing in either."""
+    import grpo
+    import rloo
+
+    grpo_shares = benchmark_effects.update_weight_shares([0, 1, 4, 7, 8], grpo.compute_advantages)
+    rloo_shares = benchmark_effects.update_weight_shares([0, 1, 4, 7, 8], rloo.compute_advantages)
+    hard, middle, easy = benchmark_effects.DIFFICULTY
+    assert grpo_shares[hard] == pytest.approx(5.2915 / 18.583, abs=1e-3)
+    assert grpo_shares[middle] == pytest.approx(8 / 18.583, abs=1e-3)
+    assert grpo_shares[easy] == pytest.approx(grpo_shares[hard], rel=1e-6)  # p and 1 - p: the same weight
+    assert rloo_shares[hard] == pytest.approx(2 / (4 + 32 / 7), abs=1e-6)
+    assert rloo_shares[middle] == pytest.approx((32 / 7) / (4 + 32 / 7), abs=1e-6)
+    assert rloo_shares[easy] == pytest.approx(rloo_shares[hard], rel=1e-6)
+    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1])
+    write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0))
+    record = benchmark_effects.load_run(args, "grpo", 1)
+    benchmark_effects.save_run(args, "grpo", 1, {**record, "correct_counts": [1, 4, 7]})
+    with open(tmp_path / "effects-runs" / "untrained.json", "w") as f:
+        json.dump({"correct_counts": [0, 1, 4, 7, 8]}, f)
+    lines = benchmark_effects.headline_section(args)
+    assert "| update on hard (1-2 of 8 right) problems, the untrained model's answers | 28.5% | 23.3% |" in lines
+    assert "| update on middle (3-5) problems, its own model's answers at step 16 | 43.1% | - |" in lines
