@@ -194,7 +194,7 @@ def correct_counts(model_dir: str, threads: int) -> list[int]:
     torch.set_num_threads(threads)
     model, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"), "sums")
     task = tasks.apply_chat_template(tasks.make_task("sums"), tokenizer, "auto", "")
-    return common.sampled_correct_counts(model, tokenizer, task, task.eval, 64, 8, 1.0, 512).tolist()
+    return common.sampled_correct_counts(model, tokenizer, task, task.eval, 64, 8, 1.0, 512).int().tolist()
 
 
 def sample_final_model(args: Args, script: str, seed: int) -> None:
@@ -236,6 +236,7 @@ def update_weight_shares(counts: list[int], compute_advantages) -> dict:
     group of 8 answers with COUNTS of them right, weighed by COMPUTE_ADVANTAGES (grpo.py's or rloo.py's own)."""
     import torch
 
+    counts = [int(c) for c in counts]  # (the verifier's scores are floats)
     rewards = torch.tensor([[1.0] * c + [0.0] * (8 - c) for c in counts]).view(-1)  # (P * 8,) each group contiguous
     weight = compute_advantages(rewards, 8).abs().view(-1, 8).sum(dim=1)  # (P,) a problem's total |A|
     band = lambda low, high: torch.tensor([low <= c <= high for c in counts])

@@ -126,8 +126,9 @@ class Args:
     (0: half of max_new_tokens, 4 on addition and 32 on scratchpad, longer than any correct answer on both)"""
     mask_truncated: bool = False
     """overlong filtering: leave responses that hit max_new_tokens out of the loss"""
-    max_sampling_rounds: int = 8
-    """dynamic sampling: generation rounds allowed per step to fill the batch before the run stops"""
+    max_sampling_rounds: int = 32
+    """dynamic sampling: generation rounds allowed per step to fill the batch before the run stops (8 stopped SmolLM2 on
+    sums, right 7% of the time, at step 2 with 3 of 4 groups; a run that fills its batch sooner is not changed)"""
 
     def __post_init__(self):
         self.output_dir = self.output_dir or f"runs/{self.exp_name}__{self.seed}"

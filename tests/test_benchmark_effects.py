@@ -215,7 +215,7 @@ def test_the_update_weight_by_difficulty_is_grpos_and_rloos_own_weighting(tmp_pa
     record = benchmark_effects.load_run(args, "grpo", 1)
     benchmark_effects.save_run(args, "grpo", 1, {**record, "correct_counts": [1, 4, 7]})
     with open(tmp_path / "effects-runs" / "untrained.json", "w") as f:
-        json.dump({"correct_counts": [0, 1, 4, 7, 8]}, f)
+        json.dump({"correct_counts": [0.0, 1.0, 4.0, 7.0, 8.0]}, f)  # as the verifier's float scores sum
     lines = benchmark_effects.headline_section(args)
     assert "| update on hard (1-2 of 8 right) problems, the untrained model's answers | 28.5% | 23.3% |" in lines
     assert "| update on middle (3-5) problems, its own model's answers at step 16 | 43.1% | - |" in lines
