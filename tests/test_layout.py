@@ -372,6 +372,20 @@ def test_each_rl_section_quotes_its_real_model_row():
         assert "(real-model/effects.md#every-rl-script)" in text and quoted in text, (script, quoted)
 
 
+def test_the_effects_page_quotes_the_headline_tables_of_the_records():
+    """Each headline table of docs/effects.md (headed | measure | `grpo.py` | `X.py` |) is, row for row, the one that
+    benchmark_effects.py writes from the run records kept in docs/real-model/effects-runs: the page quotes the
+    benchmark, not figures of its own."""
+    import benchmark_effects
+
+    args = benchmark_effects.Args(docs_dir=os.path.join(ROOT, "docs", "real-model"))
+    generated = markdown_tables("\n".join(benchmark_effects.headline_section(args)))
+    quoted = [table for table in markdown_tables(read(os.path.join("docs", "effects.md"))) if table[0][0] == "measure"]
+    assert len(quoted) >= 2
+    for table in quoted:
+        assert table in generated, f"docs/effects.md: the table headed {table[0]} is not what the records give"
+
+
 def test_each_algorithm_section_states_what_was_measured():
     """Every section of docs/algorithms.md has a "Measured:" line with a link to its measurement; for a script of the
     benchmark's tables it quotes their end accuracies on both built-in tasks, as the README's results table does."""
