@@ -114,7 +114,9 @@ def script_flags(script: str, seed: int) -> list[str]:
     --runs-dir and DOCS_DIR for --docs-dir."""
     if script in PREFERENCE_SCRIPTS:  # kto.py learns from each pair's two answers as separate, labelled examples
         pairs = "DOCS_DIR/effects-runs/sums-" + ("examples" if script == "kto" else "pairs") + ".jsonl"
-        return [*PREFERENCE, "--dataset", pairs, "--seed", str(seed)]
+        # kto.py holds out rows, two per pair: 128 rows are the same 64 prompts as its siblings' 64 pairs (one split)
+        preference = with_values(PREFERENCE, {"--num-eval": "128"}) if script == "kto" else PREFERENCE
+        return [*preference, "--dataset", pairs, "--seed", str(seed)]
     changes, extra = SCRIPT_FLAGS[script]
     return [*with_values(EFFECT, changes), *extra, "--seed", str(seed)]
 

@@ -167,6 +167,25 @@ def test_kto_reads_the_examples_and_its_siblings_the_pairs():
     assert dpo[: len(benchmark_effects.PREFERENCE)] == benchmark_effects.PREFERENCE
 
 
+def test_kto_holds_out_the_same_prompts_as_its_siblings():
+    """kto.py's --num-eval counts rows of the examples file, two per pair; its siblings' counts pairs."""
+    import datasets
+
+    import preference_pairs
+
+    plain = {f"<r>What is {i} + 1?</r>": (f"What is {i} + 1?", str(i + 1)) for i in range(300)}
+    sampled = {"prompt": list(plain), "chosen": [a for _, a in plain.values()], "rejected": ["0"] * 300}
+    sampled.update({"chosen_end": [2] * 300, "rejected_end": [2] * 300})
+    rows, examples = benchmark_effects.pair_files(sampled, plain)
+    held_out = {}
+    for script, lines in (("dpo", rows), ("kto", examples)):
+        flags = benchmark_effects.script_flags(script, 1)
+        num_eval = int(flags[flags.index("--num-eval") + 1])
+        _, held_out[script] = preference_pairs.split_held_out(datasets.Dataset.from_list(lines), num_eval)
+    assert len(held_out["dpo"]) == 64 and len(held_out["kto"]) == 128
+    assert set(held_out["kto"]["prompt"]) == set(held_out["dpo"]["prompt"])
+
+
 def test_a_preference_row_reads_each_evaluation(tmp_path):
     args = benchmark_effects.Args(docs_dir=str(tmp_path))
     os.makedirs(tmp_path / "effects-runs")
