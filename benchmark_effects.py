@@ -475,7 +475,8 @@ METRICS = {
 
 def difficulty_rows(args: Args, runs: dict) -> list[str]:
     """The share of the update each script's advantages give to hard, middle and easy problems: on the untrained model's
-    answers (the same counts, each script's weights) and on each script's own final model's answers."""
+    answers (the same counts, each script's weights), on each script's own final model's answers, and both weightings on
+    the same answers, those of every final model of either script."""
     import grpo
     import rloo
 
@@ -500,6 +501,11 @@ def difficulty_rows(args: Args, runs: dict) -> list[str]:
             for s in weigh
         ]
         lines.append(f"| update on {band} problems, its own model's answers at step 16 | {cells[0]} | {cells[1]} |")
+    # the bias itself: both weightings on the same answers, those of every final model found (GRPO's and RLOO's)
+    answers = [r["correct_counts"] for s in weigh for r in runs[s] if r and "correct_counts" in r]
+    for band in DIFFICULTY:
+        cells = [spread([update_weight_shares(counts, weigh[s])[band] for counts in answers], ".1%") for s in weigh]
+        lines.append(f"| update on {band} problems, the same answers (every final model's) | {cells[0]} | {cells[1]} |")
     return lines
 
 
