@@ -300,7 +300,30 @@ def build_pairs(args: Args) -> dict:
         with open(path, "w") as f:
             json.dump(built, f, indent=1)
     with open(path) as f:
-        return json.load(f)
+        built = json.load(f)
+    if "chosen_tokens" not in built:  # (a file built before the lengths were kept)
+        built.update(pair_lengths(args.model_dir, os.path.join(folder, "sums-pairs.jsonl")))
+        with open(path, "w") as f:
+            json.dump(built, f, indent=1)
+    return built
+
+
+def pair_lengths(model_dir: str, pairs_path: str) -> dict:
+    """The mean length of the chosen and of the rejected answers in the model's tokens, and in how many pairs each is the
+    longer: what a preference loss could learn about length from these pairs."""
+    from plumbing import models
+
+    tokenizer = models.load_tokenizer(model_dir, "", "sums")
+    with open(pairs_path) as f:
+        rows = [json.loads(line) for line in f]
+    length = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    chosen, rejected = [length(r["chosen"]) for r in rows], [length(r["rejected"]) for r in rows]
+    return {
+        "chosen_tokens": sum(chosen) / len(rows),
+        "rejected_tokens": sum(rejected) / len(rows),
+        "chosen_longer": sum(c > r for c, r in zip(chosen, rejected)),
+        "rejected_longer": sum(r > c for c, r in zip(chosen, rejected)),
+    }
 
 
 def mean_over(rows: list[dict], key: str, steps: range) -> float:
@@ -383,7 +406,9 @@ def preference_section(args: Args) -> list[str]:
         "512 problems x 8). Where a problem "
         "had a right and a wrong answer, both ended, its most frequent right answer is chosen and its most frequent wrong "
         f"one rejected: {built['pairs']} pairs ({built['skipped']} problems had no such pair), built in "
-        f"{built['seconds'] / 60:.1f} minutes with {built['threads']} threads on {built['cpu']}. They are "
+        f"{built['seconds'] / 60:.1f} minutes with {built['threads']} thread(s) on {built['cpu']}. The chosen answers are "
+        f"{built['chosen_tokens']:.1f} tokens long on average, the rejected {built['rejected_tokens']:.1f} (the rejected "
+        f"is the longer in {built['rejected_longer']} pairs, the chosen in {built['chosen_longer']}). They are "
         "[effects-runs/sums-pairs.jsonl](effects-runs/sums-pairs.jsonl); kto.py reads each pair as a desirable and an "
         "undesirable example (sums-examples.jsonl).",
         "",

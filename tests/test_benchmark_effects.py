@@ -186,11 +186,17 @@ def test_kto_holds_out_the_same_prompts_as_its_siblings():
     assert set(held_out["kto"]["prompt"]) == set(held_out["dpo"]["prompt"])
 
 
-def test_a_preference_row_reads_each_evaluation(tmp_path):
+def test_a_preference_row_reads_each_evaluation(tmp_path, monkeypatch):
     args = benchmark_effects.Args(docs_dir=str(tmp_path))
     os.makedirs(tmp_path / "effects-runs")
     with open(tmp_path / "effects-runs" / "sums-pairs.json", "w") as f:
         json.dump({"prompts": 16, "samples": 8, "pairs": 5, "skipped": 11, "seconds": 120.0, "cpu": "C", "threads": 2}, f)
+    with open(tmp_path / "effects-runs" / "sums-pairs.jsonl", "w") as f:  # (the lengths come from the model's tokenizer)
+        f.write(json.dumps({"prompt": "What is 1 + 2?", "chosen": "1 + 2 = 3", "rejected": "1 + 2 = 4"}) + "\n")
+    args.model_dir = str(tmp_path / "absent")
+    built = {"chosen_tokens": 10.64, "rejected_tokens": 13.46, "chosen_longer": 39, "rejected_longer": 72}
+    monkeypatch.setattr(benchmark_effects, "pair_lengths", lambda model_dir, path: built)  # the next test's subject
+    benchmark_effects.build_pairs(args)  # a pairs file of before the lengths were kept gets them
     evals = [
         {"step": s, "eval/rewards_accuracies": a, "eval/accuracy": b, "eval/response_length": n}
         for s, a, b, n in ((0, 0.0, 0.0625, 60.0), (20, 0.5, 0.25, 30.0), (40, 0.75, 0.5, 12.5))
@@ -203,6 +209,20 @@ def test_a_preference_row_reads_each_evaluation(tmp_path):
     assert "| `dpo.py` | 0.0% -> 50.0% -> 75.0% | 6.2% -> 25.0% -> 50.0% | 60.0 -> 30.0 -> 12.5 | 5.0 | 1.00 |" in lines
     assert "| `reward_model.py` | 50.0% -> 90.0% | - | - | 1.0 | 1.00 |" in lines
     assert "| `kto.py` | not run yet |" in lines and any("5 pairs (11 problems had no such pair)" in line for line in lines)
+    assert any("10.6 tokens long on average, the rejected 13.5 (the rejected is the longer in 72 pairs" in x for x in lines)
+
+
+def test_the_pairs_lengths_are_counted_in_the_models_tokens(tmp_path, model_dir):
+    rows = [
+        {"prompt": "What is 1 + 2?", "chosen": "1 + 2 = 3", "rejected": "1 + 2 = 1 + 1 + 1 + 1 = 4"},
+        {"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4 because 2 and 2 make 4", "rejected": "2 + 2 = 5"},
+        {"prompt": "What is 3 + 2?", "chosen": "3 + 2 = 5", "rejected": "3 + 2 = 6"},
+    ]
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    lengths = benchmark_effects.pair_lengths(model_dir, str(tmp_path / "pairs.jsonl"))
+    assert (lengths["rejected_longer"], lengths["chosen_longer"]) == (1, 1)  # the third pair: the same length
+    assert lengths["chosen_tokens"] > lengths["rejected_tokens"] > 0  # the long chosen answer outweighs the long rejected
 
 
 def test_the_preference_part_without_the_model_that_answers_is_refused_in_one_line(tmp_path):

@@ -373,15 +373,18 @@ def test_each_rl_section_quotes_its_real_model_row():
 
 
 def test_the_effects_page_quotes_the_headline_tables_of_the_records():
-    """Each headline table of docs/effects.md (headed | measure | `grpo.py` | `X.py` |) is, row for row, the one that
-    benchmark_effects.py writes from the run records kept in docs/real-model/effects-runs: the page quotes the
-    benchmark, not figures of its own."""
+    """Each headline table of docs/effects.md (headed | measure | `grpo.py` | `X.py` |) and its preference table are, row
+    for row, the ones that benchmark_effects.py writes from the run records kept in docs/real-model/effects-runs: the
+    page quotes the benchmark, not figures of its own."""
     import benchmark_effects
 
     args = benchmark_effects.Args(docs_dir=os.path.join(ROOT, "docs", "real-model"))
-    generated = markdown_tables("\n".join(benchmark_effects.headline_section(args)))
-    quoted = [table for table in markdown_tables(read(os.path.join("docs", "effects.md"))) if table[0][0] == "measure"]
-    assert len(quoted) >= 2
+    generated = markdown_tables(
+        "\n".join(benchmark_effects.headline_section(args) + benchmark_effects.preference_section(args))
+    )
+    tables = markdown_tables(read(os.path.join("docs", "effects.md")))
+    quoted = [table for table in tables if table[0][0] == "measure" or "held-out preference" in table[0][1]]
+    assert len(quoted) >= 3
     for table in quoted:
         assert table in generated, f"docs/effects.md: the table headed {table[0]} is not what the records give"
 
