@@ -44,14 +44,24 @@ def init_device(name: str) -> torch.device:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         if not torch_dist.is_initialized():
+            # torch.distributed.nn (FSDP imports it) takes the process group as a default argument when first imported:
+            # imported after init_process_group, it keeps the group and its gloo threads alive past
+            # destroy_process_group, and a thread still releasing the last collective's tensors when Python shuts
+            # down aborts the process ("terminate called without an active exception"). Imported first, it holds none.
+            import torch.distributed.nn as _  # noqa: F401
+
             torch_dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
             atexit.register(leave_process_group)
     return device
 
 
 def leave_process_group() -> None:
-    """At exit: leave the process group, if it is still there (a script may have left it already)."""
+    """At exit: leave the process group, if it is still there (a script may have left it already). gloo's threads free a
+    collective's tensors after it has returned, which needs the GIL; one still waiting for it when Python shuts down
+    aborts the process. A moment's sleep (the GIL released) lets them finish first: destroy_process_group does not stop
+    them while something else (FSDP2, after fully_shard) still holds the group."""
     if torch_dist.is_initialized():
+        time.sleep(0.1)
         torch_dist.destroy_process_group()
 
 
