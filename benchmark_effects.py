@@ -92,7 +92,7 @@ class Args:
     parts: list[str] = field(default_factory=lambda: ["scripts", "headline", "pass-at-k", "preference"])
     """which parts to run (the page is written from every run found)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """the headline part's seeds"""
+    """the headline part's seeds to run (the page shows every seed recorded)"""
     only: list[str] = field(default_factory=list)
     """run only these scripts (default: all of SCRIPT_FLAGS and PREFERENCE_SCRIPTS)"""
     jobs: int = 1
@@ -107,6 +107,13 @@ def run_dir(args: Args, script: str, seed: int) -> str:
 
 def record_path(args: Args, script: str, seed: int) -> str:
     return os.path.join(args.docs_dir, "effects-runs", f"{script}-seed{seed}.json")
+
+
+def recorded_seeds(args: Args) -> list[int]:
+    """Every seed some record was kept for: the page shows them all, whichever seeds this invocation runs."""
+    records = os.path.join(args.docs_dir, "effects-runs")
+    names = os.listdir(records) if os.path.isdir(records) else []
+    return sorted({int(n[:-5].rsplit("-seed", 1)[1]) for n in names if n.endswith(".json") and "-seed" in n})
 
 
 def script_flags(script: str, seed: int) -> list[str]:
@@ -350,7 +357,7 @@ def script_row(script: str, flags: list[str], run: dict) -> str:
 def measured_on(args: Args) -> list[str]:
     """One line per machine and setting the records were measured with, and how many runs each."""
     scripts = (*SCRIPT_FLAGS, *PREFERENCE_SCRIPTS)
-    records = [r for r in (load_run(args, s, seed) for s in scripts for seed in args.seeds) if r]
+    records = [r for r in (load_run(args, s, seed) for s in scripts for seed in recorded_seeds(args)) if r]
     settings = [(r["cpu"], r["torch"], r["runs_at_a_time"], r["threads"]) for r in records]
     plural = lambda n, noun: f"{n} {noun}{'s' if n > 1 else ''}"
     lines = []
@@ -537,8 +544,8 @@ def difficulty_rows(args: Args, runs: dict) -> list[str]:
 def headline_section(args: Args) -> list[str]:
     lines = []
     for other, claim in HEADLINE.items():
-        runs = {s: [load_run(args, s, seed) for seed in args.seeds] for s in ("grpo", other)}
-        seeds = {s: [seed for seed, r in zip(args.seeds, runs[s]) if r] for s in runs}
+        runs = {s: [load_run(args, s, seed) for seed in recorded_seeds(args)] for s in ("grpo", other)}
+        seeds = {s: [seed for seed, r in zip(recorded_seeds(args), runs[s]) if r] for s in runs}
         lines += [f"### {other}.py against grpo.py", "", f"The claim: {claim}.", ""]
         lines += [
             f"Seeds found: grpo.py {seeds['grpo'] or 'none'}, {other}.py {seeds[other] or 'none'}; each cell is the mean "
@@ -579,7 +586,7 @@ def plot_effects(args: Args, path: str) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.4))
     for ax, (other, key, label) in zip(axes.flat, panels):
         for script, color in (("grpo", "tab:blue"), (other, "tab:orange")):
-            runs = [r for r in (load_run(args, script, seed) for seed in args.seeds) if r]
+            runs = [r for r in (load_run(args, script, seed) for seed in recorded_seeds(args)) if r]
             if key == "pass@k":  # pass@1..8 of the final models, where pass_at_k measured them
                 found = [r["pass_at_k"] for r in runs if "pass_at_k" in r]
                 curves = [{int(k.split("@")[1]): v for k, v in p.items() if "pass@" in k} for p in found]

@@ -84,7 +84,7 @@ def test_a_script_gets_the_shared_setting_and_only_its_own_flags():
 
 
 def test_the_headline_table_gives_the_mean_and_range_over_the_seeds_found(tmp_path):
-    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1, 2, 3])
+    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[2])  # this invocation runs seed 2; the page shows all
     write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0))
     write_record(args, "grpo", 2, rows([0.05, 0.2, 0.5], 14.0, 60.0))
     write_record(args, "dr_grpo", 1, rows([0.05, 0.3, 0.4], 10.0, 20.0))  # seed 2 and 3 not run yet
@@ -97,7 +97,7 @@ def test_the_headline_table_gives_the_mean_and_range_over_the_seeds_found(tmp_pa
 
 
 def test_the_page_says_on_which_machine_each_record_was_measured(tmp_path):
-    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1, 2])
+    args = benchmark_effects.Args(docs_dir=str(tmp_path), seeds=[1])
     write_record(args, "grpo", 1, rows([0.05, 0.2, 0.3], 12.0, 50.0), seconds=600.0)
     write_record(args, "grpo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), seconds=120.0, cpu="CPU B")
     write_record(args, "rloo", 2, rows([0.05, 0.2, 0.3], 12.0, 50.0), seconds=60.0, cpu="CPU B")
