@@ -357,7 +357,7 @@ def untrained_chat_evaluation(model_dir: str, out: str, fresh: bool) -> dict:
         sampled = grpo_tools.rollout(policy, tokenizer, tool_format, prompt_ids, prompt_mask, flags, 1.0)
         result = {k: float(v) for k, v in metrics.items() if k != "samples"}
         result["rollout/called_tool_frac"] = (sampled.tool_calls > 0).float().mean().item()
-        result["rollout/gold_accuracy"] = task.reward(sampled.final_turns, batch["answer"]).mean().item()
+        result["rollout/gold_accuracy"] = task.verify(sampled.final_turns, batch["answer"]).mean().item()
         result["samples"] = metrics["samples"]
         os.makedirs(out, exist_ok=True)
         with open(path, "w") as f:

@@ -279,7 +279,7 @@ def evaluate(
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, batch["prompt"], device)
         ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature=0.0)
         texts = decode(tokenizer, ids, mask, truncated)
-        correct.append(task.reward(texts, batch["answer"]))
+        correct.append(task.verify(texts, batch["answer"]))
         lengths.append(mask.sum(dim=1).float().cpu())
         for i in range(min(num_samples - len(samples), len(texts))):  # the first problems, the same at every evaluation
             fed = tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()])  # the prompt as the model saw it
@@ -348,7 +348,7 @@ def sampled_correct_counts(model, tokenizer, task, dataset, max_new_tokens, n, t
             answers = [a for a in batch["answer"] for _ in range(n)]
             prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
             ids, mask, truncated = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature)
-            correct = task.reward(decode(tokenizer, ids, mask, truncated), answers)  # (B,)
+            correct = task.verify(decode(tokenizer, ids, mask, truncated), answers)  # (B,)
             num_correct.append(correct.view(-1, n).sum(dim=1))
     return torch.cat(num_correct)
 

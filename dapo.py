@@ -8,7 +8,7 @@ soft punishment of responses that approach the generation budget (optionally mas
     python dapo.py
 
 Departures from the paper:
-1. The reward is a verifier (1 correct, 0 wrong) unless --reward-model names a learned one, and the reference model is the
+1. The reward is a verifier (1 correct, 0 wrong) unless --reward-model or --reward-funcs say, and the reference model is the
    warm-up policy, never reset.
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
@@ -29,6 +29,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+import reward_funcs
 import tasks
 from plumbing import checks, dist, lora, models, run_state
 
@@ -51,7 +52,11 @@ class Args:
     """'addition' or 'scratchpad' (offline, for the built-in model), 'sums' (offline, for a chat model) or 'gsm8k' (hub)"""
     dataset: str = ""
     """your own prompts instead of the task's: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a hub id with
-    prompt and answer columns, scored by --task's verifier"""
+    prompt and answer columns (text or conversations), scored by --task's verifier; every column reaches --reward-funcs"""
+    prompt_column: str = "prompt"
+    """with --dataset: the column of the prompts, text or conversations (lists of {"role", "content"} messages)"""
+    answer_column: str = "answer"
+    """with --dataset: the column of the reference answers, which --task's verifier checks"""
     num_eval: int = 500
     """with --dataset: prompts held out for evaluation (at most half of them; split by prompt, never trained on)"""
     chat_template: str = "auto"
@@ -77,8 +82,13 @@ class Args:
     """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
     them (data parallel); see docs/more-gpus.md"""
     reward_model: str = ""
-    """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
-    accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""
+    """a reward model (saved by reward_model.py, or any sequence-classification model's folder or hub id): its score
+    replaces the verifier's in training; the verifier's accuracy is still logged as the gold measure"""
+    reward_funcs: tuple[str, ...] = ()
+    """reward functions of your own to train on instead, each FILE.py:NAME or MODULE:NAME (or verifier: the task's,
+    reward_model: --reward-model's), summed with --reward-weights; see reward_funcs.py"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per function of --reward-funcs (default: 1 each)"""
 
     lora_rank: int = 0
     """train a LoRA adapter of this rank on the frozen weights instead of every weight (0: every weight; needs peft)"""
@@ -235,7 +245,7 @@ if __name__ == "__main__":
     check_args(args)
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
     common.seed_everything(args.seed + dist.rank())  # under torchrun each process samples its own responses
-    task = tasks.make_task(args.task, args.dataset, args.num_eval)
+    task = tasks.make_task(args.task, args.dataset, args.num_eval, args.prompt_column, args.answer_column)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     args.overlong_buffer = args.overlong_buffer or args.max_new_tokens // 2  # DAPO: L_cache
@@ -262,7 +272,7 @@ if __name__ == "__main__":
     elif args.beta > 0:
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
-    reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
+    reward_functions = reward_funcs.RewardFunctions(args, task, tokenizer, device)  # the verifier, or --reward-funcs
     policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # torchrun: rank 0's weights everywhere, or FSDP2
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -285,7 +295,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
         # DAPO: dynamic sampling (§3.2), rounds of num_prompts prompts until num_prompts groups with unequal scores
-        rounds, all_rewards, all_gold, all_lengths = [], [], [], []
+        rounds, sampled = [], []  # the kept groups of each round; the outcomes of every response sampled, kept or not
         for _ in range(args.max_sampling_rounds):
             batch = task.train[dist.shard(rng.sample(range(len(task.train)), args.num_prompts))]
             prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
@@ -294,16 +304,14 @@ if __name__ == "__main__":
             completion_ids, mask, truncated = common.generate(
                 policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature
             )  # (B, T), (B, T) through the first EOS, (B,)
-            texts = common.decode(tokenizer, completion_ids, mask, truncated)
-            gold = task.reward(texts, answers).to(device)  # (B,) the verifier
+            completions = common.decode(tokenizer, completion_ids, mask, truncated)  # (B,) texts
+            gold = task.verify(completions, answers).to(device)  # (B,) 1 correct, 0 wrong
             round_ids, round_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask.long()], 1)
-            rewards = gold if reward_model is None else common.sequence_rewards(reward_model, round_ids, round_mask)  # (B,)
+            rewards, reward_scores = reward_functions(batch, completions, gold, round_ids, round_mask)  # (B,), (B, F)
             shaped_rewards = rewards + compute_overlong_penalty(mask.sum(dim=1), args)  # DAPO: soft overlong punishment
             keep = filter_groups(rewards, args.group_size).repeat_interleave(args.group_size)  # (B,) on accuracy, eq. 11
             rounds.append([x[keep] for x in (prompt_ids, prompt_mask, completion_ids, mask, truncated, shaped_rewards)])
-            all_rewards.append(rewards)
-            all_gold.append(gold)
-            all_lengths.append(mask.sum(dim=1))
+            sampled.append((rewards, reward_scores, gold, mask.sum(dim=1)))
             if dist.true_on_every_rank(sum(len(r[0]) for r in rounds) >= args.batch_size):  # under torchrun: on every rank
                 break
         else:
@@ -373,21 +381,22 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
-        gold, rewards = torch.cat(all_gold), torch.cat(all_rewards)  # DAPO: every sampled response, kept or not
+        rewards, reward_scores, gold, lengths = (torch.cat(x) for x in zip(*sampled))  # DAPO: every response sampled
         grouped = gold.view(-1, args.group_size)  # outcomes
         responses += grouped.numel() * dist.world_size()
         row = common.pool_metrics(train_metrics, min_max=("train/ratio",))  # means over tokens or responses
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),
+                **reward_functions.metrics(reward_scores),  # reward/NAME of --reward-funcs
                 "rollout/gold_accuracy": gold.mean(),
-                "rollout/prompts_sampled": len(all_rewards) * args.num_prompts,
+                "rollout/prompts_sampled": len(sampled) * args.num_prompts,
                 "rollout/groups_kept_frac": sum(len(r[0]) for r in rounds) / grouped.numel(),
-                "rollout/sampling_rounds": len(all_rewards),
+                "rollout/sampling_rounds": len(sampled),
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),
                 "rollout/response_length": mask.sum(dim=1).float().mean(),
-                **common.lengths_by_outcome(torch.cat(all_lengths), gold),  # DAPO: every sampled response
+                **common.lengths_by_outcome(lengths, gold),  # DAPO: every response sampled
                 "rollout/truncated_frac": truncated.float().mean(),
                 "time/rollout": rollout_time,
                 "time/step": time.time() - step_start,

@@ -7,7 +7,7 @@ of the response and clipped once, with tiny ranges (3e-4, 4e-4). q_i is not the 
     python gspo.py
 
 Departures from the paper:
-1. The reward is a verifier (1 correct, 0 wrong) unless --reward-model names a learned one, and the reference model is the
+1. The reward is a verifier (1 correct, 0 wrong) unless --reward-model or --reward-funcs say, and the reference model is the
    warm-up policy, never reset.
 2. The group std is the population std (divide by G); most libraries use the sample std (G - 1).
 3. A group whose rewards are all equal gets an advantage of exactly 0 (never NaN).
@@ -25,6 +25,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+import reward_funcs
 import tasks
 from plumbing import checks, dist, lora, models, run_state
 
@@ -47,7 +48,11 @@ class Args:
     """'addition' or 'scratchpad' (offline, for the built-in model), 'sums' (offline, for a chat model) or 'gsm8k' (hub)"""
     dataset: str = ""
     """your own prompts instead of the task's: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a hub id with
-    prompt and answer columns, scored by --task's verifier"""
+    prompt and answer columns (text or conversations), scored by --task's verifier; every column reaches --reward-funcs"""
+    prompt_column: str = "prompt"
+    """with --dataset: the column of the prompts, text or conversations (lists of {"role", "content"} messages)"""
+    answer_column: str = "answer"
+    """with --dataset: the column of the reference answers, which --task's verifier checks"""
     num_eval: int = 500
     """with --dataset: prompts held out for evaluation (at most half of them; split by prompt, never trained on)"""
     chat_template: str = "auto"
@@ -73,8 +78,13 @@ class Args:
     """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
     them (data parallel); see docs/more-gpus.md"""
     reward_model: str = ""
-    """a reward model saved by reward_model.py: its score replaces the verifier's in training, and the verifier's
-    accuracy is still logged as the gold measure (rollout/gold_accuracy, eval/accuracy)"""
+    """a reward model (saved by reward_model.py, or any sequence-classification model's folder or hub id): its score
+    replaces the verifier's in training; the verifier's accuracy is still logged as the gold measure"""
+    reward_funcs: tuple[str, ...] = ()
+    """reward functions of your own to train on instead, each FILE.py:NAME or MODULE:NAME (or verifier: the task's,
+    reward_model: --reward-model's), summed with --reward-weights; see reward_funcs.py"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per function of --reward-funcs (default: 1 each)"""
 
     lora_rank: int = 0
     """train a LoRA adapter of this rank on the frozen weights instead of every weight (0: every weight; needs peft)"""
@@ -207,7 +217,7 @@ if __name__ == "__main__":
     check_args(args)
     device = dist.init_device(args.device)  # auto: CUDA when available; under torchrun, this process's own device
     common.seed_everything(args.seed + dist.rank())  # under torchrun each process samples its own responses
-    task = tasks.make_task(args.task, args.dataset, args.num_eval)
+    task = tasks.make_task(args.task, args.dataset, args.num_eval, args.prompt_column, args.answer_column)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens  # the task's budget unless --max-new-tokens
     args.total_steps = args.total_steps or (TOTAL_STEPS // 2 if args.task == "scratchpad" else TOTAL_STEPS)
     checks.split_sizes(args, task)  # enough training prompts for a step, and held-out ones for every process
@@ -227,7 +237,7 @@ if __name__ == "__main__":
     elif args.beta > 0:
         ref_policy, _ = models.load_model_and_tokenizer(args.model_name_or_path, args.cache_dir, device, args.task)
         ref_policy.requires_grad_(False)
-    reward_model = models.load_reward_model(args.reward_model, tokenizer, device) if args.reward_model else None
+    reward_functions = reward_funcs.RewardFunctions(args, task, tokenizer, device)  # the verifier, or --reward-funcs
     policy, ref_policy = dist.prepare_models(args, policy, ref_policy)  # torchrun: rank 0's weights everywhere, or FSDP2
     # models stay in eval mode throughout: no dropout, so that on-policy the ratio is exactly 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -273,10 +283,11 @@ if __name__ == "__main__":
 
         # -------------------------------------------------------------------------------------------------------------
         # Reward: the task's verifier, 1 for a correct final answer (truncated responses are scored as they stand), or
-        # with --reward-model the learned reward model's score; the verifier is then the gold measure, logged only
+        # --reward-model's score, or --reward-funcs' weighted sum; the verifier then stays the gold measure, logged only
         # -------------------------------------------------------------------------------------------------------------
-        gold = task.reward(common.decode(tokenizer, completion_ids, mask, truncated), answers).to(device)  # (B,)
-        rewards = gold if reward_model is None else common.sequence_rewards(reward_model, input_ids, attention_mask)  # (B,)
+        completions = common.decode(tokenizer, completion_ids, mask, truncated)  # (B,) texts
+        gold = task.verify(completions, answers).to(device)  # (B,) 1 correct, 0 wrong
+        rewards, reward_scores = reward_functions(batch, completions, gold, input_ids, attention_mask)  # (B,), (B, F)
 
         # -------------------------------------------------------------------------------------------------------------
         # Advantage: each response compared with its group
@@ -318,6 +329,7 @@ if __name__ == "__main__":
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),
+                **reward_functions.metrics(reward_scores),  # reward/NAME of --reward-funcs
                 "rollout/gold_accuracy": gold.mean(),
                 "rollout/all_correct_frac": (grouped == 1).all(dim=1).float().mean(),
                 "rollout/all_wrong_frac": (grouped == 0).all(dim=1).float().mean(),

@@ -38,7 +38,7 @@ def sample_verifier_pairs(policy, tokenizer, task: tasks.Task, args, device: tor
         completion_ids, mask, truncated = common.generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, 1.0)
         texts = common.decode(tokenizer, completion_ids, mask, truncated)
         ends = completion_ids.gather(1, mask.sum(dim=1, keepdim=True) - 1).squeeze(1).tolist()  # (B,) the last valid id
-        correct = task.reward(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
+        correct = task.verify(texts, [a for a in answers for _ in range(args.group_size)])  # (B,)
         ended = ~truncated  # only answers that ended with EOS
         for i, prompt in enumerate(prompts):
             group = range(i * args.group_size, (i + 1) * args.group_size)

@@ -1,10 +1,13 @@
 """Tasks: prompts with reference answers, a verifier that scores a completion 1 (correct) or 0, the built-in tasks
-(two-digit addition, three-digit addition worked on a scratchpad) and GSM8K, a user's own prompts (--dataset), and the
-chat template that turns a prompt into what a chat model reads.
+(two-digit addition, three-digit addition worked on a scratchpad) and GSM8K, a user's own prompts (--dataset: text or
+conversations, with every column kept), and the chat template that turns a prompt into what a chat model reads.
 
-Your own task is a function that returns a Task, registered in TASKS (see docs/your-model-and-data.md)."""
+The verifier is what eval/accuracy and pass@k count; a reward of your own (partial credit, a format) is a reward
+function (reward_funcs.py), not a change to the verifier. Your own task is a function that returns a Task, registered in
+TASKS (see docs/your-model-and-data.md)."""
 
 import dataclasses
+import json
 import os
 import random
 import re
@@ -22,15 +25,16 @@ class Task:
     `reward`) that scores a completion 1 when the final answer it states is the reference answer, else 0."""
 
     name: str
-    train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer (and solution: what the warm-up imitates)
+    train: "datasets.Dataset"  # noqa: F821  columns: prompt, answer (the built-in tasks' solution: what the warm-up imitates)
     eval: "datasets.Dataset"  # noqa: F821  fixed held-out split, never trained on
     extract_answer: Callable[[str], str | None]  # completion text -> the final answer it states (or None)
     max_new_tokens: int = 256  # the generation budget a script uses unless --max-new-tokens says otherwise
     instruction: str = ""  # the answer format, told to a chat model as its system message (default: INSTRUCTIONS[name])
     chat: bool = False  # whether the prompts were rendered with a chat template (apply_chat_template)
 
-    def reward(self, completions: list[str], answers: list[str]) -> torch.Tensor:
-        """1.0 for a correct final answer, 0.0 otherwise. A truncated completion is scored like any other."""
+    def verify(self, completions: list[str], answers: list[str]) -> torch.Tensor:
+        """1.0 for a correct final answer, 0.0 otherwise: what eval/accuracy, pass@k and rollout/gold_accuracy count. A
+        truncated completion is scored like any other."""
         return torch.tensor([float(self.extract_answer(c) == a) for c, a in zip(completions, answers)])
 
 
@@ -238,22 +242,47 @@ def check_task_flag(args) -> None:
         )
 
 
-def make_task(name: str, dataset: str = "", num_eval: int = 500) -> Task:
+def make_task(name: str, dataset: str = "", num_eval: int = 500, prompt_column="prompt", answer_column="answer") -> Task:
     """The task called `name` (checked by check_task_flag before anything expensive). With `dataset` (--dataset), a
-    user's prompt / answer rows replace its data and are scored by its verifier; `num_eval` of them (at most half) are
-    held out for evaluation, split by prompt, so that no prompt is both trained on and evaluated."""
+    user's rows replace its data and are scored by its verifier: the prompt from `prompt_column` (--prompt-column), a
+    string or a conversation (a list of {"role", "content"} messages, rendered later by apply_chat_template), the
+    reference answer from `answer_column` (--answer-column), and every other column kept as it is, for reward functions
+    (reward_funcs.py). `num_eval` rows (at most half) are held out for evaluation, split by prompt, so that no prompt is both
+    trained on and evaluated."""
     if not dataset:
         return TASKS[name]()
     import datasets
 
-    rows = load_user_dataset(dataset, "--dataset", ("prompt", "answer"))
-    rows = datasets.Dataset.from_dict(
-        {"prompt": [str(p) for p in rows["prompt"]], "answer": [str(a).strip() for a in rows["answer"]]}
+    hint = (
+        "; name yours with --prompt-column and --answer-column (eval/accuracy and pass@k count --task's verifier's "
+        "correct answers, so rows without a reference answer cannot be evaluated, whatever --reward-funcs)"
     )
-    if len(set(rows["prompt"])) < 2:
+    data = load_user_dataset(dataset, "--dataset", (prompt_column, answer_column), hint)
+    columns = {column: data[column] for column in data.column_names}  # every column, for reward functions
+    columns["prompt"] = [checked_prompt(p, f"--dataset {dataset!r}: row {i}") for i, p in enumerate(data[prompt_column])]
+    columns["answer"] = [str(a).strip() for a in data[answer_column]]
+    rows = datasets.Dataset.from_dict(columns)
+    if len({json.dumps(p) for p in rows["prompt"]}) < 2:
         raise SystemExit(f"--dataset {dataset!r}: needs at least two distinct prompts (one to train on, one held out)")
-    train, held_out = split_by_key(rows, min(num_eval, len(rows) // 2), lambda row: row["prompt"], seed=1234)
+    train, held_out = split_by_key(rows, min(num_eval, len(rows) // 2), lambda row: json.dumps(row["prompt"]), seed=1234)
     return Task(name, train, held_out, *verifier(name))
+
+
+def checked_prompt(prompt, where: str):
+    """A prompt as a user's data may give it: a string, or a conversation, a list of {"role", "content"} messages (the
+    form of the hub's chat data sets) whose last one is not the assistant's. Anything else is refused in one line."""
+    if isinstance(prompt, str):
+        return prompt
+    roles = ("system", "user", "assistant", "tool")
+    is_message = lambda m: isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str)
+    if not isinstance(prompt, list) or not prompt or not all(is_message(m) for m in prompt):
+        raise SystemExit(
+            f"{where}: the prompt must be a string or a list of {{'role', 'content'}} messages, roles {', '.join(roles)} "
+            f"(got {str(prompt)[:80]!r})"
+        )
+    if prompt[-1]["role"] == "assistant":
+        raise SystemExit(f"{where}: the conversation ends with the assistant's message; a prompt ends where the model answers")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]  # (the data's other message fields dropped)
 
 
 def verifier(name: str) -> tuple[Callable[[str], str | None], int]:
@@ -265,7 +294,7 @@ def verifier(name: str) -> tuple[Callable[[str], str | None], int]:
     return own.extract_answer, own.max_new_tokens
 
 
-def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):
+def load_user_dataset(path: str, flag: str, columns: tuple[str, ...], hint: str = ""):
     """A data set a user names with `flag`: a .json, .jsonl, .csv or .parquet file, a folder saved with `save_to_disk`,
     or a hub id, with `columns`. Anything else is refused in one line naming the flag, before any model is loaded."""
     import datasets
@@ -299,47 +328,74 @@ def load_user_dataset(path: str, flag: str, columns: tuple[str, ...]):
     missing = set(columns) - set(ds.column_names)
     if missing:
         raise SystemExit(
-            f"{flag} {path!r}: missing column(s) {', '.join(sorted(missing))} (it has {', '.join(ds.column_names)})"
+            f"{flag} {path!r}: missing column(s) {', '.join(sorted(missing))} (it has {', '.join(ds.column_names)}){hint}"
         )
     return ds
 
 
 def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "", tools: list | None = None) -> Task:
     """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
-    conversation, the answer format as the system message (`instruction`: --instruction, else the task's own, else
-    INSTRUCTIONS), the prompt as the user turn, then the generation prompt; with 'none' (or 'auto' and no template, as
-    for base models) the prompts stay plain text, behind the tokenizer's BOS if its own encoding starts with one (the
-    model was trained so; prompts are tokenized without special tokens, since a chat template writes them itself). A
-    template that refuses a system role gets the instruction at the head of the user turn instead. `tools` (Python
-    functions, grpo_tools.py) are passed on to a template that describes tools to the model itself. A prompt that already
-    holds the tokenizer's special tokens was rendered by its author: rendering it again is refused in one line."""
+    conversation (prompt_messages): the answer format as the system message, the prompt as the user turn (or a --dataset's
+    own conversation), then the generation prompt; with 'none' (or 'auto' and no template, as for base models) the
+    prompts stay plain text, behind the tokenizer's BOS if its own encoding starts with one (the model was trained so;
+    prompts are tokenized without special tokens, since a chat template writes them itself). The prompt as the data gave
+    it is kept in the column raw_prompt, for reward functions (reward_funcs.py). A template that refuses a system role gets
+    the instruction at the head of the first user turn instead. `tools` (Python functions, grpo_tools.py) are passed on
+    to a template that describes tools to the model itself. A prompt that already holds the tokenizer's special tokens
+    was rendered by its author: rendering it again is refused in one line, and so is a conversation with no template."""
+    conversational = not isinstance(task.train[0]["prompt"], str)
     if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
+        if conversational:
+            raise SystemExit(
+                "--dataset: its prompts are conversations (lists of messages), which need a chat template; this "
+                f"tokenizer has {'one, but --chat-template is none' if tokenizer.chat_template else 'none'}"
+            )
         bos = tokenizer.bos_token if tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id] else None
         if bos is None:  # (the built-in tokenizer has no BOS)
             return task
-        with_bos = lambda ds: ds.map(lambda row: {"prompt": bos + row["prompt"]})
+        with_bos = lambda ds: ds.map(lambda row: {"raw_prompt": row["prompt"], "prompt": bos + row["prompt"]})
         return dataclasses.replace(task, train=with_bos(task.train), eval=with_bos(task.eval))
     if not tokenizer.chat_template:
         raise SystemExit("--chat-template on: the model's tokenizer has no chat template (use auto or none)")
     special = [t for t in tokenizer.all_special_tokens if len(t) > 1]  # (a one-character one, e.g. "<", is text too)
     for prompt in [*task.train["prompt"], *task.eval["prompt"]]:  # a --dataset's prompt may come rendered by its author
-        if any(token in prompt for token in special):
+        text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+        if any(token in text for token in special):
             raise SystemExit(
-                f"--dataset: a prompt already holds the tokenizer's special tokens ({prompt[:60]!r}): it was rendered with "
+                f"--dataset: a prompt already holds the tokenizer's special tokens ({text[:60]!r}): it was rendered with "
                 "a chat template; pass --chat-template none to use it as given"
             )
     from jinja2.exceptions import TemplateError
 
     instruction = instruction or task.instruction or INSTRUCTIONS.get(task.name, "")  # --instruction, else the task's
 
-    def render(prompt: str) -> str:
-        turns = [{"role": "system", "content": instruction}] if instruction else []
-        turns.append({"role": "user", "content": prompt})
+    def render(prompt) -> str:
+        turns = prompt_messages(prompt, instruction)
         try:
             return tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
-        except TemplateError:  # e.g. no system role: the instruction opens the user turn
-            turns = [{"role": "user", "content": f"{instruction}\n\n{prompt}".strip()}]
-            return tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+        except TemplateError:  # e.g. no system role: the instruction opens the first user turn
+            return tokenizer.apply_chat_template(
+                without_system(turns), tools=tools, tokenize=False, add_generation_prompt=True
+            )
 
-    rendered = lambda ds: ds.map(lambda row: {"prompt": render(row["prompt"])})
-    return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True)
+    rendered = lambda ds: ds.map(lambda row: {"raw_prompt": row["prompt"], "prompt": render(row["prompt"])})
+    return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True, instruction=instruction)
+
+
+def prompt_messages(prompt, instruction: str) -> list[dict]:
+    """The conversation a chat model reads for `prompt`: a string becomes the user turn behind `instruction` as the
+    system message (when there is one); a conversation keeps its own system message, or gets `instruction` as one."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if instruction and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": instruction}, *messages]
+    return messages
+
+
+def without_system(messages: list[dict]) -> list[dict]:
+    """For a template that refuses a system role: the system message opens the first user turn instead."""
+    if messages[0]["role"] != "system":
+        return messages
+    system, rest = messages[0]["content"], [dict(m) for m in messages[1:]]
+    first_user = next(i for i, m in enumerate(rest) if m["role"] == "user")
+    rest[first_user]["content"] = f"{system}\n\n{rest[first_user]['content']}".strip()
+    return rest

@@ -170,5 +170,28 @@ def rl_flags(args) -> None:
     )
     resume_flags(args)
     data_flags(args)
-    if args.reward_model and not os.path.isfile(os.path.join(args.reward_model, "config.json")):
-        raise SystemExit(f"--reward-model {args.reward_model!r}: not a folder with a config.json (see reward_model.py)")
+    reward_flags(args)
+
+
+def reward_flags(args) -> None:
+    """--reward-model names a folder or hub id; --reward-funcs names each function once, `reward_model` exactly when
+    --reward-model is given; --reward-weights has one finite weight per function (reward_funcs.py)."""
+    if args.reward_model:
+        models.check_model_path(args.reward_model, "--reward-model")
+    names = [spec.rpartition(":")[2] for spec in args.reward_funcs]
+    if len(set(names)) < len(names):
+        raise SystemExit(
+            f"--reward-funcs {' '.join(args.reward_funcs)}: two functions share a name; each is logged as reward/NAME"
+        )
+    if args.reward_funcs and bool(args.reward_model) != ("reward_model" in args.reward_funcs):
+        raise SystemExit(
+            "--reward-funcs: list reward_model among them to train on --reward-model's score"
+            if args.reward_model
+            else "--reward-funcs reward_model: needs --reward-model (a reward model's folder or hub id)"
+        )
+    count = len(args.reward_funcs) or 1
+    if args.reward_weights and (len(args.reward_weights) != count or not all(map(math.isfinite, args.reward_weights))):
+        raise SystemExit(
+            f"--reward-weights {' '.join(map(str, args.reward_weights))}: one finite weight for each of the {count} reward "
+            "function(s) of --reward-funcs (default: 1 each)"
+        )

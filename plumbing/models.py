@@ -238,25 +238,26 @@ def enable_gradient_checkpointing(model) -> None:
     model.train()
 
 
-def load_reward_model(path: str, tokenizer, device: torch.device):
-    """--reward-model: a one-output AutoModelForSequenceClassification saved by reward_model.py, frozen. It must read the
-    policy's tokens, so its tokenizer must be the policy's."""
+def load_reward_model(name: str, device: torch.device):
+    """--reward-model: a one-output AutoModelForSequenceClassification (saved by reward_model.py, or a folder or hub id of
+    any such model) and its own tokenizer (right-padded, EOS as its pad token if it has none), the model frozen."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-        architecture = (config.architectures or ["an unknown architecture"])[0]
-        if not architecture.endswith("ForSequenceClassification"):
-            raise SystemExit(f"--reward-model {path!r}: a {architecture}, not a reward model (train one with reward_model.py)")
-        if config.num_labels != 1:
-            raise SystemExit(f"--reward-model {path!r}: has {config.num_labels} outputs, a reward model has one")
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-        rm_tokenizer = AutoTokenizer.from_pretrained(path)
-    except LOAD_ERRORS as e:
-        raise SystemExit(f"--reward-model {path!r}: cannot load a reward model and its tokenizer ({first_line(e)})") from None
-    if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"--reward-model {path!r}: its tokenizer is not the policy's (train it from the same base model)")
-    return model.to(device).eval().requires_grad_(False)
+    config = from_pretrained(
+        name, "", "addition", "--reward-model", lambda path, **local: AutoConfig.from_pretrained(path, **local)
+    )
+    architecture = (config.architectures or ["an unknown architecture"])[0]
+    if not architecture.endswith("ForSequenceClassification"):
+        raise SystemExit(f"--reward-model {name!r}: a {architecture}, not a reward model (train one with reward_model.py)")
+    if config.num_labels != 1:
+        raise SystemExit(f"--reward-model {name!r}: has {config.num_labels} outputs, a reward model has one")
+    load = lambda path, **local: AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, **local)
+    model = from_pretrained(name, "", "addition", "--reward-model", load)
+    load = lambda path, **local: AutoTokenizer.from_pretrained(path, padding_side="right", **local)
+    tokenizer = from_pretrained(name, "", "addition", "--reward-model", load)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: the score is read at the last attended token, not at pad
+    return model.to(device).eval().requires_grad_(False), tokenizer
 
 
 def load_body(name: str, cache_dir: str, task: str = "addition", dtype=torch.float32):

@@ -57,7 +57,7 @@ def run_job(job: dict) -> None:
 
 if __name__ == "__main__":
     os.environ["TQDM_DISABLE"] = "1"
-    tasks.Task.reward = text_reward
+    tasks.Task.verify = text_reward
     run_state.Checkpoint.save = keep_every_checkpoint()
     with open(sys.argv[1]) as f:
         jobs = json.load(f)

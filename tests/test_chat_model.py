@@ -218,7 +218,7 @@ def test_preference_pairs_keep_the_end_token_each_answer_was_sampled_with(chat_m
 
     model.register_forward_hook(steer, with_kwargs=True)
     task = tasks.make_task("addition")
-    task.reward = lambda texts, answers: torch.tensor([float(t.strip() == "What") for t in texts])
+    task.verify = lambda texts, answers: torch.tensor([float(t.strip() == "What") for t in texts])
     args = SimpleNamespace(num_pair_prompts=1, group_size=4, max_new_tokens=4)
     pairs, skipped = preference_pairs.sample_verifier_pairs(model, tokenizer, task, args, torch.device("cpu"))
     assert skipped == 0 and list(pairs["chosen"]) == ["What"] and list(pairs["rejected"]) == ["WhatWhat"]

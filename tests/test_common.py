@@ -162,7 +162,7 @@ def test_addition_task_is_fixed_disjoint_and_verified():
     assert tasks.make_task("addition").eval[:]["prompt"] == held_out["prompt"]  # the held-out split never moves
     answers = dict(zip(train["prompt"] + held_out["prompt"], train["answer"] + held_out["answer"]))
     assert answers["07+45="] == "25" and answers["68+57="] == "521" and answers["00+00="] == "0"  # sum, reversed
-    reward = task.reward(["46", " 46 ", "47", "", "046"], ["46"] * 5)
+    reward = task.verify(["46", " 46 ", "47", "", "046"], ["46"] * 5)
     assert reward.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
@@ -183,7 +183,7 @@ def test_scratchpad_task_is_fixed_disjoint_long_and_verified():
     assert min(lengths) == 21 and max(lengths) == 31 and 2 * max(lengths) < task.max_new_tokens
     # only the final answer counts: the number after the last lone "=", whatever the working says
     completions = ["2+6=8 8+9=17 4+3+1=8 =878", "1+1=5 =878", "2+6=8 8+9=17 4+3+1=8", "=877 =878", "x =87 8", "878"]
-    assert task.reward(completions, ["878"] * 6).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    assert task.verify(completions, ["878"] * 6).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_lengths_by_outcome_splits_correct_from_wrong_and_skips_an_empty_side():

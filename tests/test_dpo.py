@@ -96,7 +96,7 @@ def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypa
     tokenizer = sft.build_tokenizer()
     task = tasks.make_task("addition")
     # a verifier that calls an answer correct when it has an even number of characters
-    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
     torch.manual_seed(0)
     pairs, skipped = preference_pairs.sample_verifier_pairs(
         model, tokenizer, task, args(num_pair_prompts=40, group_size=4), torch.device("cpu")
@@ -113,7 +113,7 @@ def test_pairs_pair_a_correct_with_a_wrong_answer_and_count_the_skipped(monkeypa
 def test_pairs_built_in_another_dtype_are_cached_apart(model_dir, tmp_path, monkeypatch):
     """The pairs are sampled by the policy in its own dtype (lora.base_dtype: a bf16 LoRA base samples in bf16), so a
     run in bf16 must not read the float32 run's pairs from the cache, nor the float32 run the bf16 one's."""
-    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
     task, device, built = tasks.make_task("addition"), torch.device("cpu"), []
 
     def load_policy():

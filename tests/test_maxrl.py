@@ -69,12 +69,6 @@ def test_maxrl_estimator_is_unbiased_for_the_truncation_of_order_g_minus_1(group
     assert (mean_gradient - higher).abs().max() > 1e-3  # the two orders differ by (1 - p)^(G-1) grad p, here > 1e-3
 
 
-def test_maxrl_refuses_a_learned_reward():
-    args = maxrl.Args(reward_model="runs/rm")
-    with pytest.raises(SystemExit, match="--reward-model: maxrl.py needs the verifier's rewards"):
-        maxrl.check_args(args)
-
-
 # --- pass@k: 1 - C(n - c, k) / C(n, k) -----------------------------------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     reward_model.py walk pairs, opd.py has a teacher, grpo_tools.py's conversations call a tool, grpo_engine.py keeps
     the batches its engine sampled ahead and, saved between two syncs (--sync-every 3), the engine's older weights."""
     script, *lora_flags = command.split()
-    monkeypatch.setattr(tasks.Task, "reward", by_text)
+    monkeypatch.setattr(tasks.Task, "verify", by_text)
     flags = ["--model-name-or-path", model_dir, "--save-every", "5", "--max-new-tokens", "4", *lora_flags]
     if script == "grpo_tools.py":
         flags = [*tool_run_flags, "--save-every", "5"]
@@ -69,7 +69,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(model_dir, teacher_dir, t
     assert stopped.value.code == 0 and signal.getsignal(signal.SIGINT) is handler  # Ctrl-C is given back
     assert [r["step"] for r in rows(tmp_path / "parts")] == [0, 1, 2]
     monkeypatch.undo()
-    monkeypatch.setattr(tasks.Task, "reward", by_text)
+    monkeypatch.setattr(tasks.Task, "verify", by_text)
     run_here(monkeypatch, script, *flags, "--output-dir", str(tmp_path / "parts"), "--resume")
 
     untimed = lambda run: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(tmp_path / run)]

@@ -159,7 +159,7 @@ def test_reward_model_trains_then_scores_the_rollouts_of_ppo_and_grpo(model_dir,
 def test_verifier_pairs_are_built_once_and_cached(model_dir, tmp_path, monkeypatch):
     """dpo.py and reward_model.py share the pairs: built by the first caller (the only one to load the policy), read
     from the cache by the next. A verifier that calls answers of even length correct gives both kinds of answer."""
-    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: torch.tensor([float(len(x) % 2 == 0) for x in c]))
     task = tasks.make_task("addition")
     calls = []
 
@@ -181,16 +181,16 @@ def test_verifier_pairs_are_built_once_and_cached(model_dir, tmp_path, monkeypat
 def test_bad_reward_models_are_refused_in_one_line(model_dir, tmp_path):
     import grpo
 
-    with pytest.raises(SystemExit, match="--reward-model './nope': not a folder with a config.json"):
+    with pytest.raises(SystemExit, match="--reward-model './nope': no such directory, and not a hub id"):
         grpo.check_args(grpo.Args(reward_model="./nope", output_dir=str(tmp_path)))
     _, tokenizer = models.load_model_and_tokenizer(model_dir, "", torch.device("cpu"))
     with pytest.raises(SystemExit, match="--reward-model .*: a LlamaForCausalLM, not a reward model") as info:
-        models.load_reward_model(model_dir, tokenizer, torch.device("cpu"))  # the policy itself
+        models.load_reward_model(model_dir, torch.device("cpu"))  # the policy itself
     assert "\n" not in str(info.value.code)
     two = tiny_reward_model()[0]
     two.config.num_labels = 2
     two.save_pretrained(tmp_path / "two")
     tokenizer.save_pretrained(tmp_path / "two")
     with pytest.raises(SystemExit, match="has 2 outputs, a reward model has one"):
-        models.load_reward_model(str(tmp_path / "two"), tokenizer, torch.device("cpu"))
+        models.load_reward_model(str(tmp_path / "two"), torch.device("cpu"))
     assert os.path.isdir(tmp_path / "two")

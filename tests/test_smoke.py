@@ -31,6 +31,17 @@ SMALL = ["--total-steps", "2", "--num-prompts", "4", "--group-size", "4", "--eva
 SMALL += ["--dataset", PROBLEMS, "--num-eval", "4"]
 
 
+PARTIAL_CREDIT = """
+def partial_credit(prompts, completions, answer, **columns):
+    # the share of the answer's characters that the completion has in the same place
+    return [sum(x == y for x, y in zip(c.strip(), a)) / len(a) for c, a in zip(completions, answer)]
+
+
+def exact(completions, answer, **columns):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
 def run(script, *flags):
     """The script's command line, in a fresh process."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
@@ -48,7 +59,7 @@ def coin_flip_rewards(monkeypatch, p=0.3, seed=0):
     """Replace the verifier by seeded coin flips that are correct with probability p: the briefly warmed-up test model
     answers nothing right, and DAPO's dynamic sampling needs groups whose answers are neither all right nor all wrong."""
     generator = torch.Generator().manual_seed(seed)
-    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: (torch.rand(len(c), generator=generator) < p).float())
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: (torch.rand(len(c), generator=generator) < p).float())
 
 
 def rows(output_dir):
@@ -77,6 +88,9 @@ def test_end_to_end_through_the_command_line(monkeypatch, model_dir, teacher_dir
     flags += ["--teacher", teacher_dir] if script == "opd.py" else []
     flags += ["--gradient-checkpointing"] if script == "rloo.py" else []  # the same run, layers recomputed
     flags += ["--eval-samples", "2"] if script == "maxrl.py" else []  # pass@1 and pass@2 beside the greedy accuracy
+    # a reward function file of the user's own, as they write it: partial credit (MaxRL's estimator needs 0 or 1)
+    (tmp_path / "my_rewards.py").write_text(PARTIAL_CREDIT)
+    flags += ["--reward-funcs", f"{tmp_path / 'my_rewards.py'}:{'exact' if script == 'maxrl.py' else 'partial_credit'}"]
     # through the command line, in this process (a fresh interpreter costs seconds of imports); a copy of grpo.py runs in
     # a fresh interpreter, exactly as a user runs it, in test_the_docs_own_task_runs_from_the_command_line
     run_here(monkeypatch, script, *flags)
@@ -89,6 +103,16 @@ def test_end_to_end_through_the_command_line(monkeypatch, model_dir, teacher_dir
         samples = [json.loads(line) for line in f]
     assert [s["step"] for s in samples] == [0] * 4 + [1] * 4 + [2] * 4  # four answers at each evaluation
     assert set(samples[0]) == {"step", "prompt", "completion", "answer", "reward"}
+    # the reward trained on is the function's (weight 1), and eval/accuracy the share of exactly right answers among the
+    # 4 held-out problems (all of them in samples.jsonl): k / 4 in float32, exact
+    name = "exact" if script == "maxrl.py" else "partial_credit"
+    assert (
+        logged[1][f"reward/{name}"] == pytest.approx(logged[1]["rollout/reward_mean"], rel=1e-6)
+        and f"reward/{name}_std" in logged[1]
+    )
+    for r in logged:
+        exact = [s["completion"].strip() == s["answer"] for s in samples if s["step"] == r["step"]]
+        assert r["eval/accuracy"] == sum(exact) / 4
 
 
 def test_warm_up_check_is_greedy_decoding_accuracy(model_dir):
@@ -156,7 +180,7 @@ def test_later_minibatches_are_off_policy(model_dir, tmp_path, monkeypatch):
     """With two minibatches the second one's ratios depart from 1: the old log-probs are the behaviour policy's, not
     the current ones. Random rewards stand in for a competent policy, so that the first update moves the policy."""
     generator = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(tasks.Task, "reward", lambda self, c, a: torch.randint(0, 2, (len(c),), generator=generator).float())
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: torch.randint(0, 2, (len(c),), generator=generator).float())
     run_here(monkeypatch, "grpo.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
     step = rows(tmp_path)[1]
     # Without an update the ratios are exactly 1 (the old log-probs come from passes of the update's shape); the first
@@ -210,7 +234,7 @@ def test_dapo_filters_groups_on_accuracy_not_on_the_overlong_penalty(model_dir, 
         lengths.extend(len(c) for c in completions)
         return torch.ones(len(completions))
 
-    monkeypatch.setattr(tasks.Task, "reward", all_correct)
+    monkeypatch.setattr(tasks.Task, "verify", all_correct)
     flags = ["--max-new-tokens", "4", "--overlong-buffer", "3", "--max-sampling-rounds", "2", "--output-dir", str(tmp_path)]
     with pytest.raises(SystemExit, match="step 1: dynamic sampling kept only 0 of 4 groups"):
         run_here(monkeypatch, "dapo.py", "--model-name-or-path", model_dir, *flags, *SMALL)
