@@ -45,15 +45,29 @@ def test_the_prepared_model_predicts_english(smollm2):
 
 
 def test_grpo_trains_smollm2_offline_through_the_command_line(smollm2, tmp_path, monkeypatch):
+    """On conversational data with an extra column (`words`), read by a reward function of the user's own, beside the
+    verifier."""
     data = tmp_path / "sums.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"What is {a} + {a + 7}?", "answer": 2 * a + 7}) for a in range(10, 20)))
+    rows_ = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {a + 7}?"}], "answer": 2 * a + 7, "words": 3}
+        for a in range(10, 20)
+    ]
+    data.write_text("\n".join(json.dumps(row) for row in rows_))
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(completions, words, **kw):\n"
+        "    return [float(len(c[0]['content'].split()) <= n) for c, n in zip(completions, words)]\n"
+    )
     flags = ["--model-name-or-path", smollm2, "--task", "gsm8k", "--dataset", str(data), "--num-eval", "2"]
+    flags += ["--reward-funcs", f"{tmp_path / 'my_rewards.py'}:short", "verifier", "--reward-weights", "0.5", "1"]
     flags += ["--num-prompts", "2", "--group-size", "2", "--num-minibatches", "1", "--max-new-tokens", "8"]
     flags += ["--total-steps", "1", "--beta", "0", "--device", "cpu", "--output-dir", str(tmp_path / "run")]  # one step
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: set where it is read
     run_here(monkeypatch, "grpo.py", *flags)  # its command line, in this process (a fresh one costs seconds of imports)
     logged = rows(tmp_path / "run")
     assert [r["step"] for r in logged] == [0, 1] and 0 <= logged[-1]["eval/accuracy"] <= 1
+    assert {"reward/short", "reward/short_std", "reward/verifier"} <= set(logged[1])
+    # 4 completions, weights 0.5 and 1 of values 0 or 1: every mean is k / 8, exact in float32 and float64
+    assert logged[1]["rollout/reward_mean"] == 0.5 * logged[1]["reward/short"] + logged[1]["reward/verifier"]
     # one minibatch: on-policy, the ratio of a pass with itself, exactly: the old log-probs come from a pass of the same
     # rows at the update's batch shape, so each row's sums run in the same order and log pi - log pi_old = 0
     assert logged[1]["train/ratio"] == 1.0

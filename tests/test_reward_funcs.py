@@ -3,11 +3,13 @@ is a list of messages) with its columns mapped by flag, and a reward model with 
 
 import json
 import math
+import os
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_chat_model import CHATML, chat_model_dir  # noqa: F401  (a fixture)
+from test_chat_model import chat_model_dir  # noqa: F401  (a fixture)
 from test_smoke import SMALL, rows, run_here
 
 import grpo
@@ -15,6 +17,7 @@ import reward_funcs
 import tasks
 
 CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_task(prompts, chat=False, instruction="", **columns):
@@ -340,3 +343,35 @@ def test_grpo_engine_scores_each_batch_sampled_ahead_with_its_own_rows(model_dir
     assert len(logged) == 4 and any(r["reward/first"] > 0 for r in logged)
     for r in logged:  # k / 16 of the same 16 completions, each in float32 and float64: exact
         assert r["reward/first"] == r["rollout/gold_accuracy"]
+
+
+def test_the_docs_reward_function_and_examples_score_as_they_say():
+    """The function of docs/your-model-and-data.md, and those of examples/, on completions whose scores are known."""
+    with open(os.path.join(ROOT, "docs", "your-model-and-data.md")) as f:
+        source = re.search(r"```python\n# my_rewards.py\n(.*?)```", f.read(), re.DOTALL).group(1)
+    namespace = {}
+    exec(source, namespace)  # the page's own code, as a user pastes it into a file
+    replies = [[{"role": "assistant", "content": text}] for text in ("19 + 57 = 76", "It is 76.", "a = 1\nb = 2", "= 95.")]
+    assert namespace["format_reward"](replies) == [1.0, 0.0, 0.0, 1.0]
+    r1 = reward_funcs.load_reward_function(os.path.join(ROOT, "examples", "r1_rewards.py") + ":format_reward")
+    assert r1(replies) == [1.0, 0.0, 0.0, 1.0]
+    accuracy = reward_funcs.load_reward_function(os.path.join(ROOT, "examples", "r1_rewards.py") + ":accuracy_reward")
+    assert accuracy(replies, solution=["76", "76", "2", "76"]) == [1.0, 1.0, 1.0, 0.0]
+    partial = reward_funcs.load_reward_function(os.path.join(ROOT, "examples", "partial_credit.py") + ":digits_in_place")
+    assert partial(["25", "26", "2", "2699"], answer=["25"] * 4) == [1.0, 0.5, 0.5, 0.25]  # reversed digits of 52
+
+
+def test_the_pages_tables_are_the_benchmarks_from_its_records():
+    """The R1-style and partial-credit tables of docs/your-model-and-data.md are what benchmark_reward_funcs.py prints
+    from the records kept in docs/real-model/reward-funcs-runs/, every seed recorded."""
+    import benchmark_reward_funcs
+
+    with open(os.path.join(ROOT, "docs", "your-model-and-data.md")) as f:
+        page = f.read()
+    for part, table in (("r1", benchmark_reward_funcs.r1_table), ("partial", benchmark_reward_funcs.partial_table)):
+        seeds = sorted(
+            int(n[len(part) + 5 : -6]) for n in os.listdir(benchmark_reward_funcs.RECORDS) if n.startswith(f"{part}-seed")
+        )
+        assert seeds == [1, 2, 3], part
+        for line in table(seeds):
+            assert line in page, line
