@@ -92,7 +92,7 @@ class Args:
     """under torchrun: shard weights, gradients and optimizer state over the processes (FSDP2) instead of replicating
     them (data parallel); see docs/more-gpus.md"""
     reward_model: str = ""
-    """a reward model (saved by reward_model.py, or any sequence-classification model's folder or hub id): its score
+    """a reward model (saved by reward_model.py, or any decoder sequence-classification model's folder or hub id): its score
     replaces the verifier's in training; the verifier's accuracy is still logged as the gold measure"""
     reward_funcs: tuple[str, ...] = ()
     """reward functions of your own to train on instead, each FILE.py:NAME or MODULE:NAME (or verifier: the task's,

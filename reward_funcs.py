@@ -70,7 +70,7 @@ def load_reward_function(spec: str):
 
 def arguments_taken(function, spec: str, available: list[str]) -> list[str] | None:
     """The keyword arguments of `available` that `function` takes (None: all of them, it has **kwargs). A parameter it
-    needs and the data has not is refused in one line, before any model is loaded."""
+    needs and the data has not is refused in one line, before the first step."""
     parameters = inspect.signature(function).parameters.values()
     if any(p.kind == p.VAR_KEYWORD for p in parameters):
         return None
@@ -92,6 +92,8 @@ class RewardFunctions:
         self.group_size, self.task, self.device, self.logged = args.group_size, task, device, bool(args.reward_funcs)
         self.conversational = not isinstance(task.train[0].get("raw_prompt", task.train[0]["prompt"]), str)
         available = ["prompts", "completions", *(c for c in task.train.column_names if c not in ("prompt", "raw_prompt"))]
+        if len(set(available)) < len(available):  # a column called prompts or completions would replace an argument
+            raise SystemExit("--dataset: a column is called prompts or completions, the names of two arguments: rename it")
         self.functions, self.arguments = {}, {}
         for spec, name in zip(self.specs, self.names):
             if spec not in (VERIFIER, REWARD_MODEL):
@@ -121,6 +123,8 @@ class RewardFunctions:
                 values = gold.float()
             elif spec == REWARD_MODEL:
                 values = self.reward_model_scores(prompts, completions, input_ids, attention_mask)
+                if not dist.true_on_every_rank(torch.isfinite(values).all()):
+                    raise SystemExit("--reward-model: a non-finite score (the reward model diverged, or reads what it cannot)")
             else:
                 values = self.call(spec, name, prompts, completions, columns)
             scores.append(values.to(self.device))
@@ -135,17 +139,17 @@ class RewardFunctions:
         given = {"prompts": prompts, "completions": texts, **columns}
         if self.arguments[name] is not None:  # a function without **kwargs gets the arguments it names
             given = {k: v for k, v in given.items() if k in self.arguments[name]}
-        values, error = None, None
-        try:
+        scores, error = None, None
+        try:  # (the checks too: a value such as 10**400 raises in them, and no process may stop alone)
             values = self.functions[name](**given)
+            error = bad_values(values, len(completions))
+            scores = None if error else torch.tensor([math.nan if v is None else float(v) for v in values])
         except Exception as e:  # a user's function: whatever it raises
             frame = traceback.extract_tb(e.__traceback__)[-1]
             error = f"raised {type(e).__name__}: {e} (at {os.path.basename(frame.filename)}:{frame.lineno})"
-        if error is None:
-            error = bad_values(values, len(completions))
         if not dist.true_on_every_rank(error is None):
             raise SystemExit(f"--reward-funcs {spec!r}: {error or 'failed in another process'}")
-        return torch.tensor([math.nan if v is None else float(v) for v in values])
+        return scores
 
     def reward_model_scores(self, prompts: list, completions: list[str], input_ids, attention_mask) -> torch.Tensor:
         """--reward-model's score of each completion (B,). A model of the policy's tokenizer reads the policy's own tokens;
@@ -160,13 +164,22 @@ class RewardFunctions:
                 tasks.prompt_messages(p, instruction) + [{"role": "assistant", "content": c}]
                 for p, c in zip(prompts, completions)
             ]
-            texts = [self.reward_tokenizer.apply_chat_template(turns, tokenize=False) for turns in conversations]
+            texts = [self.render(turns) for turns in conversations]
             encoded = self.reward_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
         else:
             encoded = self.reward_tokenizer([p + c for p, c in zip(prompts, completions)], padding=True, return_tensors="pt")
         ids, mask = encoded.input_ids.to(self.device), encoded.attention_mask.to(self.device)
         with torch.no_grad():
             return common.sequence_rewards(self.reward_model, ids, mask)
+
+    def render(self, conversation: list[dict]) -> str:
+        """The conversation in the reward model's chat template (one that refuses a system role: its first user turn)."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.reward_tokenizer.apply_chat_template(conversation, tokenize=False)
+        except TemplateError:
+            return self.reward_tokenizer.apply_chat_template(tasks.without_system(conversation), tokenize=False)
 
     def metrics(self, scores: torch.Tensor) -> dict:
         """With --reward-funcs: reward/NAME and reward/NAME_std, each function's mean and (population) std over the
@@ -194,6 +207,13 @@ def bad_values(values, count: int) -> str | None:
     if len(values) != count:
         return f"returned {len(values)} values for {count} completions"
     for i, v in enumerate(values):
-        if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(v)):
-            return f"returned {v!r} for completion {i}: a reward is a finite number, or None where it does not apply"
+        if v is not None and not is_finite_number(v):
+            return f"returned {v!r:.40} for completion {i}: a reward is a finite number, or None where it does not apply"
     return None
+
+
+def is_finite_number(value) -> bool:
+    try:
+        return isinstance(value, numbers.Real) and math.isfinite(float(value))
+    except OverflowError:  # an integer past the largest float
+        return False

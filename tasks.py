@@ -261,6 +261,8 @@ def make_task(name: str, dataset: str = "", num_eval: int = 500, prompt_column="
     columns = {column: data[column] for column in data.column_names}  # every column, for reward functions
     columns["prompt"] = [checked_prompt(p, f"--dataset {dataset!r}: row {i}") for i, p in enumerate(data[prompt_column])]
     columns["answer"] = [str(a).strip() for a in data[answer_column]]
+    if missing := [i for i, a in enumerate(data[answer_column]) if a is None or not str(a).strip()]:
+        raise SystemExit(f"--dataset {dataset!r}: row {missing[0]} has no reference answer in column {answer_column!r}")
     rows = datasets.Dataset.from_dict(columns)
     if len({json.dumps(p) for p in rows["prompt"]}) < 2:
         raise SystemExit(f"--dataset {dataset!r}: needs at least two distinct prompts (one to train on, one held out)")
@@ -333,7 +335,9 @@ def load_user_dataset(path: str, flag: str, columns: tuple[str, ...], hint: str 
     return ds
 
 
-def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "", tools: list | None = None) -> Task:
+def apply_chat_template(
+    task: Task, tokenizer, mode: str, instruction: str = "", tools: list | None = None, also_tell: str = ""
+) -> Task:
     """--chat-template: with 'auto' (when the tokenizer has a chat template) or 'on', every prompt is rendered as a
     conversation (prompt_messages): the answer format as the system message, the prompt as the user turn (or a --dataset's
     own conversation), then the generation prompt; with 'none' (or 'auto' and no template, as for base models) the
@@ -341,7 +345,8 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
     prompts are tokenized without special tokens, since a chat template writes them itself). The prompt as the data gave
     it is kept in the column raw_prompt, for reward functions (reward_funcs.py). A template that refuses a system role gets
     the instruction at the head of the first user turn instead. `tools` (Python functions, grpo_tools.py) are passed on
-    to a template that describes tools to the model itself. A prompt that already holds the tokenizer's special tokens
+    to a template that describes tools to the model itself; `also_tell` (how to call a tool) ends every system message,
+    a conversation's own included. A prompt that already holds the tokenizer's special tokens
     was rendered by its author: rendering it again is refused in one line, and so is a conversation with no template."""
     conversational = not isinstance(task.train[0]["prompt"], str)
     if mode == "none" or (mode == "auto" and not tokenizer.chat_template):
@@ -370,7 +375,7 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
     instruction = instruction or task.instruction or INSTRUCTIONS.get(task.name, "")  # --instruction, else the task's
 
     def render(prompt) -> str:
-        turns = prompt_messages(prompt, instruction)
+        turns = prompt_messages(prompt, instruction, also_tell)
         try:
             return tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
         except TemplateError:  # e.g. no system role: the instruction opens the first user turn
@@ -382,13 +387,14 @@ def apply_chat_template(task: Task, tokenizer, mode: str, instruction: str = "",
     return dataclasses.replace(task, train=rendered(task.train), eval=rendered(task.eval), chat=True, instruction=instruction)
 
 
-def prompt_messages(prompt, instruction: str) -> list[dict]:
+def prompt_messages(prompt, instruction: str, also_tell: str = "") -> list[dict]:
     """The conversation a chat model reads for `prompt`: a string becomes the user turn behind `instruction` as the
-    system message (when there is one); a conversation keeps its own system message, or gets `instruction` as one."""
+    system message (when there is one); a conversation keeps its own system message, or gets `instruction` as one.
+    `also_tell` ends the system message either way."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if instruction and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": instruction}, *messages]
-    return messages
+    own = messages[0]["role"] == "system"
+    system = f"{messages[0]['content'] if own else instruction} {also_tell}".strip()
+    return ([{"role": "system", "content": system}] if system else []) + messages[own:]
 
 
 def without_system(messages: list[dict]) -> list[dict]:

@@ -344,5 +344,7 @@ def format_and_prompts(args, task, tokenizer, eos_ids: list[int]):
     else:
         tool_format = {"compact": CompactFormat, "inline": InlineFormat}[args.tool_format](tokenizer, eos_ids)
     instruction = args.instruction or task.instruction or tasks.INSTRUCTIONS.get(task.name, "")
-    instruction = instruction if template_tools else f"{instruction} {getattr(tool_format, 'INSTRUCTION', '')}".strip()
-    return tool_format, tasks.apply_chat_template(task, tokenizer, args.chat_template, instruction, template_tools)
+    how_to_call = "" if template_tools else getattr(tool_format, "INSTRUCTION", "")  # also after a conversation's own system
+    return tool_format, tasks.apply_chat_template(
+        task, tokenizer, args.chat_template, instruction, template_tools, how_to_call
+    )

@@ -239,8 +239,9 @@ def enable_gradient_checkpointing(model) -> None:
 
 
 def load_reward_model(name: str, device: torch.device):
-    """--reward-model: a one-output AutoModelForSequenceClassification (saved by reward_model.py, or a folder or hub id of
-    any such model) and its own tokenizer (right-padded, EOS as its pad token if it has none), the model frozen."""
+    """--reward-model: a one-output AutoModelForSequenceClassification of a decoder (saved by reward_model.py, or a folder
+    or hub id of any such model, with a linear `score` head) and its own tokenizer (right-padded, EOS as its pad token if it
+    has none), the model frozen."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     config = from_pretrained(
@@ -253,6 +254,11 @@ def load_reward_model(name: str, device: torch.device):
         raise SystemExit(f"--reward-model {name!r}: has {config.num_labels} outputs, a reward model has one")
     load = lambda path, **local: AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, **local)
     model = from_pretrained(name, "", "addition", "--reward-model", load)
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):  # common.sequence_rewards reads it at the last token
+        raise SystemExit(
+            f"--reward-model {name!r}: a {architecture} has no `score` head read at the last token (a decoder's, as "
+            "reward_model.py saves); an encoder's classifier (BERT, DeBERTa) is not supported"
+        )
     load = lambda path, **local: AutoTokenizer.from_pretrained(path, padding_side="right", **local)
     tokenizer = from_pretrained(name, "", "addition", "--reward-model", load)
     if tokenizer.pad_token is None:

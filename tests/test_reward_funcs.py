@@ -106,6 +106,7 @@ def test_a_function_gets_the_prompts_as_given_every_column_per_completion_and_co
         ),
         ("    return [1.0, 0.0, float('nan'), 0.0]", r"returned nan for completion 2: a reward is a finite number"),
         ("    return 1.0", r"returned '1.0', not a list of 4 numbers"),
+        ("    return [1.0, 0.0, 0.0, 10**400]", r"returned 1000000000.* for completion 3: a reward is a finite number"),
     ],
 )
 def test_a_reward_function_that_fails_is_refused_in_one_line_naming_it(tmp_path, body, message):
@@ -164,6 +165,24 @@ def test_columns_are_mapped_by_flag_and_a_missing_one_is_refused_in_one_line(tmp
         SystemExit, match=r"missing column\(s\) prompt .*; name yours with --prompt-column and --answer-column"
     ):
         tasks.make_task("gsm8k", str(data), 2, answer_column="solution")
+    data.write_text("\n".join(json.dumps({**r, "solution": None if i == 5 else r["solution"]}) for i, r in enumerate(rows_)))
+    with pytest.raises(SystemExit, match="row 5 has no reference answer in column 'solution'"):
+        tasks.make_task("gsm8k", str(data), 2, prompt_column="question", answer_column="solution")
+    task = small_task(["2+3=", "1+4="], completions=["x", "y"])
+    with pytest.raises(SystemExit, match="a column is called prompts or completions"):
+        reward_funcs.RewardFunctions(reward_args(), task, None, CPU)
+
+
+def test_an_encoders_classifier_is_refused_as_a_reward_model_in_one_line(chat_model_dir, tmp_path):  # noqa: F811
+    """common.sequence_rewards reads a decoder's `score` head at the last token; BERT's classifier pools its first."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config.num_labels = 1
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "bert")
+    AutoTokenizer.from_pretrained(chat_model_dir).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit, match="a BertForSequenceClassification has no `score` head read at the last token"):
+        reward_funcs.RewardFunctions(reward_args(reward_model=str(tmp_path / "bert")), small_task(["2+3=", "1+4="]), None, CPU)
 
 
 def test_conversational_prompts_are_checked_and_rendered_with_their_own_system_message(chat_model_dir, tmp_path):  # noqa: F811
@@ -176,6 +195,8 @@ def test_conversational_prompts_are_checked_and_rendered_with_their_own_system_m
         {"prompt": [{"role": "user", "content": f"What is {a} plus 3?"}], "answer": a + 3} for a in range(2, 8)
     ]
     data.write_text("\n".join(json.dumps(r) for r in lines))
+    data_ok = tmp_path / "chat_ok.jsonl"
+    data_ok.write_text(data.read_text())
     task = tasks.apply_chat_template(tasks.make_task("gsm8k", str(data), 3), tokenizer, "auto")
     rendered = {row["raw_prompt"][-1]["content"]: row["prompt"] for row in [*task.train, *task.eval]}
     expected = (
@@ -195,6 +216,10 @@ def test_conversational_prompts_are_checked_and_rendered_with_their_own_system_m
     with pytest.raises(SystemExit, match=r"row 0: the prompt must be a string or a list of \{'role', 'content'\} messages"):
         tasks.make_task("gsm8k", str(data), 1)
     assert tasks.checked_prompt([{"role": "user", "content": "a"}], "x") == [{"role": "user", "content": "a"}]
+    # grpo_tools.py's way to call its tool ends every system message, the data's own too
+    told = tasks.apply_chat_template(tasks.make_task("gsm8k", str(data_ok), 3), tokenizer, "auto", also_tell="Call <calc>.")
+    told = [*told.train["prompt"], *told.eval["prompt"]]
+    assert all("Call <calc>.<|im_end|>" in p for p in told) and any("Be brief. Call <calc>.<|im_end|>" in p for p in told)
     with pytest.raises(SystemExit, match="ends with the assistant's message"):
         tasks.checked_prompt([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "--dataset f: row 3")
 
@@ -221,23 +246,36 @@ def test_a_conversational_data_set_with_an_extra_column_trains_the_chat_model(ch
     run_here(monkeypatch, "grpo.py", *flags)
     logged = rows(out)
     assert {"reward/mentions_unit", "reward/mentions_unit_std", "reward/verifier", "reward/verifier_std"} <= set(logged[1])
-    # the random chat model never names the unit nor the sum: every reward is 0, the verifier's share too
-    assert logged[1]["reward/verifier"] == logged[1]["rollout/gold_accuracy"]
+    assert reward_funcs.LOADED_FILES[os.path.abspath(path)].SEEN == ["apples"] * 2  # the column, at steps 1 and 2
     with open(out / "samples.jsonl") as f:
         samples = [json.loads(line) for line in f]
     assert samples[0]["prompt"].startswith("<|im_start|>system\n") and samples[0]["answer"].isdigit()
 
 
-def test_dapo_and_grpo_tools_train_on_a_reward_function_file(model_dir, tool_run_flags, tmp_path, monkeypatch):
+def first_character_matches(completions, answers):
+    """A verifier that is often right by chance: the completion's first character is the answer's."""
+    return torch.tensor([float(c[:1] == a[:1]) for c, a in zip(completions, answers)])
+
+
+FIRST = "def first(completions, answer, **kw):\n    return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]\n"
+
+
+def test_dapo_and_grpo_tools_give_a_function_the_rows_of_the_completions_they_score(
+    model_dir, tool_run_flags, tmp_path, monkeypatch
+):
     """The two RL scripts whose reward lines differ from grpo.py's (DAPO's sampling rounds, the tool conversations' final
-    turns) log a reward function's mean, the reward they train on."""
-    path = write(tmp_path, "def length(completions, **kw):\n    return [len(c) % 3 / 2 for c in completions]\n")
+    turns): the verifier and the function check the same thing, the verifier against the answers kept with the
+    completions, the function against its `answer` column, so their means agree only when the rows are the completions'."""
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: first_character_matches(c, a))
+    path = write(tmp_path, FIRST)
     for script, flags in (("dapo.py", ["--model-name-or-path", model_dir, *SMALL]), ("grpo_tools.py", tool_run_flags)):
         out = tmp_path / script
         more = ["--total-steps", "1", "--num-prompts", "4", "--group-size", "4", "--eval-every", "1", "--device", "cpu"]
-        run_here(monkeypatch, script, *flags, *more, "--output-dir", str(out), "--reward-funcs", f"{path}:length")
+        run_here(monkeypatch, script, *flags, *more, "--output-dir", str(out), "--reward-funcs", f"{path}:first")
         step = rows(out)[1]
-        assert step["reward/length"] == pytest.approx(step["rollout/reward_mean"], rel=1e-6)  # weight 1: the same mean
+        # k / n of the same n completions in float32 (the metric pools float64): within one float32 rounding
+        assert step["reward/first"] == pytest.approx(step["rollout/gold_accuracy"], rel=1e-6) and step["reward/first"] > 0
+        assert step["reward/first"] == pytest.approx(step["rollout/reward_mean"], rel=1e-6)  # weight 1: the same mean
 
 
 def test_maxrl_refuses_rewards_that_are_not_zero_or_one(model_dir, tmp_path, monkeypatch):
@@ -278,7 +316,7 @@ def zephyr_reward_model(path):
 
 
 def test_a_reward_model_with_its_own_tokenizer_scores_the_conversation_in_its_own_template(chat_model_dir, tmp_path):  # noqa: F811
-    """The policy (ChatML) and the reward model (Zephyr-style, another vocabulary) share no tokens: each completion is
+    """The policy (ChatML) and the reward model (Zephyr-style, another vocabulary, other ids): each completion is
     scored as the reward model scores the same conversation rendered directly with its template, unpadded, through
     its own forward (transformers' pooling at the last token)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -330,12 +368,8 @@ def test_grpo_engine_scores_each_batch_sampled_ahead_with_its_own_rows(model_dir
     those of the batch being trained on. The verifier and the function both check the completion's first character
     against the reference answer (often right by chance): the verifier reads the answers kept with the batch, the
     function its own `answer` column, so their means agree at every step only when the rows travel with their batch."""
-    first_char = lambda completions, answers: torch.tensor([float(c[:1] == a[:1]) for c, a in zip(completions, answers)])
-    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: first_char(c, a))
-    path = write(
-        tmp_path,
-        "def first(completions, answer, **kw):\n    return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]\n",
-    )
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: first_character_matches(c, a))
+    path = write(tmp_path, FIRST)
     out = tmp_path / "run"
     flags = ["--model-name-or-path", model_dir, "--output-dir", str(out), *SMALL, "--total-steps", "4", "--eval-every", "4"]
     run_here(monkeypatch, "grpo_engine.py", *flags, "--max-staleness", "2", "--reward-funcs", f"{path}:first")
