@@ -4,7 +4,7 @@
 
 JOBS.json is a list of {"script": ..., "argv": [...], "rollouts": FOLDER or ""}. Each script runs as `python SCRIPT ARGV`
 would, with its sampled rollouts recorded to FOLDER (or replayed, when recorded there; see rollouts.py), the verifier of
-`text_reward`, and a copy of checkpoint.pt kept after every save (checkpoint.pt.STEP). test_distributed.py does the
+`verifier_of(script)`, and a copy of checkpoint.pt kept after every save (checkpoint.pt.STEP). test_distributed.py does the
 same in one process and compares."""
 
 import json
@@ -31,6 +31,15 @@ def text_reward(self, completions, answers):
     return torch.tensor([sum(map(ord, c)) % 7 / 6 for c in completions])
 
 
+def binary_text_reward(self, completions, answers):
+    """text_reward's 0 / 1 version, for maxrl.py, whose estimator needs a success or a failure."""
+    return torch.tensor([float(sum(map(ord, c)) % 2) for c in completions])
+
+
+def verifier_of(script: str):
+    return binary_text_reward if script == "maxrl.py" else text_reward
+
+
 def keep_every_checkpoint(save=run_state.Checkpoint.save):
     """Checkpoint.save that also keeps a copy of each step's checkpoint (rank 0 writes it)."""
 
@@ -47,6 +56,7 @@ generate = common.generate  # the real one, for the jobs that record nothing
 
 def run_job(job: dict) -> None:
     common.generate = record_or_replay(job["rollouts"]) if job["rollouts"] else generate
+    tasks.Task.verify = verifier_of(job["script"])
     sys.argv = [job["script"], *job["argv"]]
     try:
         runpy.run_path(os.path.join(ROOT, job["script"]), run_name="__main__")
@@ -57,7 +67,6 @@ def run_job(job: dict) -> None:
 
 if __name__ == "__main__":
     os.environ["TQDM_DISABLE"] = "1"
-    tasks.Task.verify = text_reward
     run_state.Checkpoint.save = keep_every_checkpoint()
     with open(sys.argv[1]) as f:
         jobs = json.load(f)

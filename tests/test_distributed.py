@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from distributed_jobs import keep_every_checkpoint, text_reward
+from distributed_jobs import keep_every_checkpoint, verifier_of
 from rollouts import record_or_replay
 from test_smoke import ROOT, rows, run_here
 
@@ -141,7 +141,7 @@ def test_two_processes_update_like_one_on_the_union_of_their_rollouts(
     groups, REINFORCE++'s batch std, every script's mean over responses: a missing average or a rank-local normaliser
     would show. With --lora-rank the trained weights are the adapter's."""
     script, more, name = script_and_name(command)
-    monkeypatch.setattr(tasks.Task, "verify", text_reward)
+    monkeypatch.setattr(tasks.Task, "verify", verifier_of(script))
     monkeypatch.setattr(run_state.Checkpoint, "save", keep_every_checkpoint())
     if script not in (*PREFERENCE, "reward_model.py"):
         monkeypatch.setattr(common, "generate", record_or_replay(str(runs / "rollouts" / name)))

@@ -260,22 +260,18 @@ def first_character_matches(completions, answers):
 FIRST = "def first(completions, answer, **kw):\n    return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]\n"
 
 
-def test_dapo_and_grpo_tools_give_a_function_the_rows_of_the_completions_they_score(
-    model_dir, tool_run_flags, tmp_path, monkeypatch
-):
-    """The two RL scripts whose reward lines differ from grpo.py's (DAPO's sampling rounds, the tool conversations' final
-    turns): the verifier and the function check the same thing, the verifier against the answers kept with the
-    completions, the function against its `answer` column, so their means agree only when the rows are the completions'."""
+def test_dapo_gives_a_function_the_rows_of_the_completions_it_scores(model_dir, tmp_path, monkeypatch):
+    """DAPO's reward lines differ from grpo.py's (its sampling rounds): the verifier and the function check the same
+    thing, the verifier against the answers kept with the completions, the function against its `answer` column, so
+    their means agree only when the rows are the completions' (grpo_tools.py: tests/test_tools.py)."""
     monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: first_character_matches(c, a))
     path = write(tmp_path, FIRST)
-    for script, flags in (("dapo.py", ["--model-name-or-path", model_dir, *SMALL]), ("grpo_tools.py", tool_run_flags)):
-        out = tmp_path / script
-        more = ["--total-steps", "1", "--num-prompts", "4", "--group-size", "4", "--eval-every", "1", "--device", "cpu"]
-        run_here(monkeypatch, script, *flags, *more, "--output-dir", str(out), "--reward-funcs", f"{path}:first")
-        step = rows(out)[1]
-        # k / n of the same n completions in float32 (the metric pools float64): within one float32 rounding
-        assert step["reward/first"] == pytest.approx(step["rollout/gold_accuracy"], rel=1e-6) and step["reward/first"] > 0
-        assert step["reward/first"] == pytest.approx(step["rollout/reward_mean"], rel=1e-6)  # weight 1: the same mean
+    flags = ["--model-name-or-path", model_dir, *SMALL, "--total-steps", "1", "--output-dir", str(tmp_path / "run")]
+    run_here(monkeypatch, "dapo.py", *flags, "--reward-funcs", f"{path}:first")
+    step = rows(tmp_path / "run")[1]
+    # k / n of the same n completions in float32 (the metric pools float64): within one float32 rounding
+    assert step["reward/first"] == pytest.approx(step["rollout/gold_accuracy"], rel=1e-6) and step["reward/first"] > 0
+    assert step["reward/first"] == pytest.approx(step["rollout/reward_mean"], rel=1e-6)  # weight 1: the same mean
 
 
 def test_maxrl_refuses_rewards_that_are_not_zero_or_one(model_dir, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import types
 import datasets
 import pytest
 import torch
+from test_reward_funcs import FIRST, first_character_matches
 from test_smoke import rows, run_here
 
 import common
@@ -606,9 +607,14 @@ def test_grpo_tools_end_to_end(tool_run_flags, tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "generate", recording_generate)
     monkeypatch.setattr(common, "completion_logprobs", recording_logprobs)
+    # a reward function of the user's own and a verifier that check the same thing (the first character of the final
+    # turn against the answer), the verifier against the answers kept with the conversations, the function against its
+    # `answer` column: their means agree only when the function gets the rows of the conversations it scores
+    monkeypatch.setattr(tasks.Task, "verify", lambda self, c, a: first_character_matches(c, a))
+    (tmp_path / "my_rewards.py").write_text(FIRST)
     flags = [*tool_run_flags, "--total-steps", "2", "--num-prompts", "4", "--group-size", "4"]
     flags += ["--eval-every", "2", "--device", "cpu", "--output-dir", str(tmp_path)]
-    run_here(monkeypatch, "grpo_tools.py", *flags)
+    run_here(monkeypatch, "grpo_tools.py", *flags, "--reward-funcs", f"{tmp_path / 'my_rewards.py'}:first")
 
     assert len(sampled) > 2 * 16  # more turns than conversations: some called the tool
     for context, new in sampled:
@@ -620,6 +626,9 @@ def test_grpo_tools_end_to_end(tool_run_flags, tmp_path, monkeypatch):
     for key in ("rollout/tool_calls", "rollout/called_tool_frac", "eval/tool_errors", "train/environment_logprob"):
         assert key in logged[-1], key
     assert sum(r["rollout/tokens_by_environment"] for r in logged[1:]) > 0
+    assert any(r["reward/first"] > 0 for r in logged[1:])
+    for r in logged[1:]:  # k / 16 of the same 16 conversations, in float32 and float64: within one float32 rounding
+        assert r["reward/first"] == pytest.approx(r["rollout/gold_accuracy"], rel=1e-6)
     for r in logged[1:]:
         # float32 means of the same integer counts: the sums are exact (< 2^24), one division each, < u = 6e-8 relative
         assert r["rollout/response_length"] == pytest.approx(r["rollout/tokens_by_model"], rel=1e-6)
