@@ -14,49 +14,6 @@ import sft
 import tasks
 from plumbing import models
 
-CHATML = (  # Qwen2.5's ChatML, without its tool calls
-    r"{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    r"{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory):
-    """The folder of a tiny Qwen2ForCausalLM whose generation config ends a response at <|im_end|> (end of turn) or at
-    <|endoftext|> (end of text, also the pad token), as Qwen2.5-Instruct's does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    path = str(tmp_path_factory.mktemp("chat") / "model")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [f"What is {a} plus {b}? The answer is {a + b}." for a in range(40) for b in range(12)]
-    bpe.train_from_iterator(corpus + [text for text in tasks.INSTRUCTIONS.values()] * 5, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
-    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=[end_of_turn, end_of_text],
-        pad_token_id=end_of_text,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=[end_of_turn, end_of_text], pad_token_id=end_of_text)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):

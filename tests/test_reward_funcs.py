@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_chat_model import chat_model_dir  # noqa: F401  (a fixture)
 from test_smoke import SMALL, rows, run_here
 
 import grpo
@@ -173,7 +172,7 @@ def test_columns_are_mapped_by_flag_and_a_missing_one_is_refused_in_one_line(tmp
         reward_funcs.RewardFunctions(reward_args(), task, None, CPU)
 
 
-def test_an_encoders_classifier_is_refused_as_a_reward_model_in_one_line(chat_model_dir, tmp_path):  # noqa: F811
+def test_an_encoders_classifier_is_refused_as_a_reward_model_in_one_line(chat_model_dir, tmp_path):
     """common.sequence_rewards reads a decoder's `score` head at the last token; BERT's classifier pools its first."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
@@ -185,7 +184,7 @@ def test_an_encoders_classifier_is_refused_as_a_reward_model_in_one_line(chat_mo
         reward_funcs.RewardFunctions(reward_args(reward_model=str(tmp_path / "bert")), small_task(["2+3=", "1+4="]), None, CPU)
 
 
-def test_conversational_prompts_are_checked_and_rendered_with_their_own_system_message(chat_model_dir, tmp_path):  # noqa: F811
+def test_conversational_prompts_are_checked_and_rendered_with_their_own_system_message(chat_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
@@ -224,7 +223,7 @@ def test_conversational_prompts_are_checked_and_rendered_with_their_own_system_m
         tasks.checked_prompt([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "--dataset f: row 3")
 
 
-def test_a_conversational_data_set_with_an_extra_column_trains_the_chat_model(chat_model_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_a_conversational_data_set_with_an_extra_column_trains_the_chat_model(chat_model_dir, tmp_path, monkeypatch):
     """grpo.py on the chat model with a data set written like a hub chat data set (conversations, the answer in
     `solution`, an extra column `unit`), a format reward that reads `unit`, and the verifier, weighted: the function sees
     the column, both are logged, and eval/accuracy counts the verifier's correct answers."""
@@ -311,7 +310,7 @@ def zephyr_reward_model(path):
     return tokenizer
 
 
-def test_a_reward_model_with_its_own_tokenizer_scores_the_conversation_in_its_own_template(chat_model_dir, tmp_path):  # noqa: F811
+def test_a_reward_model_with_its_own_tokenizer_scores_the_conversation_in_its_own_template(chat_model_dir, tmp_path):
     """The policy (ChatML) and the reward model (Zephyr-style, another vocabulary, other ids): each completion is
     scored as the reward model scores the same conversation rendered directly with its template, unpadded, through
     its own forward (transformers' pooling at the last token)."""
