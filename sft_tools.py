@@ -97,10 +97,10 @@ def demonstration(tokenizer, tool_format: tools.ChatFormat, a: int, b: int, call
     `call`, the call turn, the tool message with the calculator's answer, and the last turn; else the last turn alone."""
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
     expression = f"{a} * {b}"
-    last_turn = encode(f"{expression} = {a * b}") + tool_format.call_ends  # ended by the template's end-of-turn token
+    last_turn = encode(f"{expression} = {a * b}") + tool_format.end_of_turn  # ended by the template's end-of-turn token
     if not call:
         return last_turn, [True] * len(last_turn)
-    call_turn = encode(tool_format.call_text(expression)) + tool_format.call_ends
+    call_turn = encode(tool_format.call_text(expression)) + tool_format.end_of_turn
     result, _ = tools.run_tool(tools.TOOLS, "calculator", {"expression": expression})
     answer = tool_format.result_ids(result)  # written by the environment: context, not a target
     return call_turn + answer + last_turn, [True] * len(call_turn) + [False] * len(answer) + [True] * len(last_turn)

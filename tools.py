@@ -206,22 +206,27 @@ def read_json_call(turn: str) -> tuple[str | None, dict] | None:
     holds no such call, (None, {}) when it holds one that cannot be read (not JSON, no name, arguments not an object).
     The formats of the major template families (one call per turn: the first is run):
     - Qwen2.5 and Hermes: <tool_call>{"name": "calculator", "arguments": {"expression": "347 * 86"}}</tool_call>
-    - Llama 3.x: the turn is one JSON object, {"name": "calculator", "parameters": {...}}, after <|python_tag|> or not
-    - Mistral: [TOOL_CALLS] [{"name": "calculator", "arguments": {...}, "id": "..."}], or [TOOL_CALLS]calculator[ARGS]{...}
+    - Llama 3.x: the turn is one JSON object with exactly the keys "name" and "parameters" (or "arguments"), after
+      <|python_tag|> or not; any other JSON object is an answer, not a call
+    - Mistral: [TOOL_CALLS] [{"name": "calculator", "arguments": {...}, "id": "..."}], or (tokenizers v11 and later)
+      [TOOL_CALLS]calculator[ARGS]{...}, or with a call id, [TOOL_CALLS]calculator[CALL_ID]a1b2c3d4e[ARGS]{...}
     Arguments may also come as JSON text of an object, as OpenAI's API writes them."""
+    bare = turn.replace("<|python_tag|>", "").strip()
     if match := re.search(r"<tool_call>(.*?)</tool_call>", turn, re.DOTALL):
         text = match.group(1)
     elif "[TOOL_CALLS]" in turn:
-        text = turn.split("[TOOL_CALLS]", 1)[1]
-        if "[ARGS]" in text:  # Mistral's later tokenizers: the name, then the arguments
+        text = turn.split("[TOOL_CALLS]")[1]  # the first call (v11 writes each call after its own [TOOL_CALLS])
+        if "[ARGS]" in text:  # Mistral's later tokenizers: the name (and the call's id), then the arguments
             name, _, arguments = text.partition("[ARGS]")
-            text = json.dumps({"name": name.strip(), "arguments": arguments.strip()})
-    elif (bare := turn.replace("<|python_tag|>", "").strip()).startswith("{") and bare.endswith("}") and '"name"' in bare:
+            text = json.dumps({"name": name.partition("[CALL_ID]")[0].strip(), "arguments": arguments.strip()})
+    elif bare.startswith("{") and bare.endswith("}") and '"name"' in bare:
         text = bare
     else:
         return None
     try:  # model text: json.loads reads it without running it; too deep a nesting raises, and is caught
         call = json.loads(text)
+        if text is bare and isinstance(call, dict) and set(call) not in ({"name", "parameters"}, {"name", "arguments"}):
+            return None  # a JSON answer that happens to hold a "name", not Llama's call
         call = call[0] if isinstance(call, list) else call
         arguments = call.get("arguments", call.get("parameters", {}))
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
@@ -239,8 +244,11 @@ class ChatFormat:
     (read_json_call), which is checked here at start-up: a template that writes calls in a format this file does not
     read is refused in one line, instead of a run that never sees a call. The ids the environment appends are the text
     the template adds after the model's end-of-turn token: the rest of that turn's closing, the tool message, and the
-    opening of the next assistant turn. A call is answered only in a turn that ends with that end-of-turn token
-    (`call_ends`); a turn that ends with another of the model's EOS ids (end of text) ends the conversation."""
+    opening of the next assistant turn. A call is answered only in a turn that ends with that end-of-turn token, or
+    with Llama 3.x's end of message <|eom_id|> where it is one of the model's EOS ids (`call_ends`: Meta's prompt format
+    has the model end a call turn with it when the system message says "Environment: ipython", as Llama's template
+    does whenever tools are given, while the template itself closes a call turn it renders with <|eot_id|> unless
+    built-in tools are named); a turn that ends with another of the model's EOS ids (end of text) ends the conversation."""
 
     CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
     inline = False  # the verifier reads the model's last turn
@@ -252,7 +260,14 @@ class ChatFormat:
     def __init__(self, tokenizer, eos_ids: list[int], tools: list | None = None):
         self.tokenizer, self.eos_ids, self.tools, self.stop_ids = tokenizer, eos_ids, tools, []
         self.special = [t for t in tokenizer.added_tokens_decoder.values() if t.special]  # never inside a tool's answer
-        turn, after_turn, self.call_ends = self.render("1 + 1", "2")
+        turn, after_turn, self.end_of_turn = self.render("1 + 1", "2")
+        if "2" not in after_turn:
+            raise SystemExit(
+                "the model's chat template does not end a turn with its end-of-turn token and then show a tool message"
+            )
+        end_of_message = tokenizer.convert_tokens_to_ids("<|eom_id|>")  # Llama 3.x's, one of its EOS ids
+        also_eom = [end_of_message] if end_of_message in eos_ids and end_of_message not in self.end_of_turn else []
+        self.call_ends = self.end_of_turn + also_eom  # the ids after which a call is answered
         if self.find_call(turn) != ("calculator", {"expression": "1 + 1"}):  # (only a template's own format can fail)
             raise SystemExit(
                 f"the model's chat template writes a tool call as {turn[:80]!r}, a format tools.py does not read (Qwen/Hermes "
@@ -263,7 +278,8 @@ class ChatFormat:
     def render(self, expression: str, result: str) -> tuple[str, str, list[int]]:
         """A call of the calculator and its answer, rendered by the chat template after a user turn: the model's turn
         (the call, without its end-of-turn token), the text after that token (tool message and next assistant turn's
-        opening), and the end-of-turn token's id."""
+        opening), and the end-of-turn token's id. The answer is shown as the template shows it (Llama's as JSON text:
+        a `"` in it comes back escaped), so it is not looked for verbatim here: __init__ checks the probe's."""
         user = [{"role": "user", "content": "?"}]
         if self.tools:  # the template writes the call itself
             call = {"name": "calculator", "arguments": {"expression": expression}}
@@ -281,7 +297,7 @@ class ChatFormat:
             raise SystemExit(f"the model's chat template cannot render a tool message ({type(e).__name__}: {e})") from None
         ends = [(text.find(self.tokenizer.decode([i]), len(head)), i) for i in self.eos_ids]
         ends = sorted((at, i) for at, i in ends if at >= 0)
-        if not text.startswith(head) or not ends or result not in text[ends[0][0] :]:
+        if not text.startswith(head) or not ends:
             raise SystemExit(
                 "the model's chat template does not end a turn with its end-of-turn token and then show a tool message"
             )
@@ -329,6 +345,17 @@ class InlineFormat:
         return self.tokenizer(" " + result, add_special_tokens=False).input_ids
 
 
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the chat template knows tools: it renders a prompt differently when given the calculator (a template
+    that only mentions the word, or raises on tools, gets the <calc> format instead)."""
+    user = [{"role": "user", "content": "?"}]
+    render = lambda **tools: tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **tools)
+    try:
+        return render(tools=[calculator]) != render()
+    except Exception:  # a template that cannot render tools
+        return False
+
+
 def format_and_prompts(args, task, tokenizer, eos_ids: list[int]):
     """The call format of --tool-format (auto: chat for a model with a chat template, else compact), and the task with
     its prompts rendered for it (tasks.apply_chat_template): the system message is --instruction (else the task's), then
@@ -338,7 +365,7 @@ def format_and_prompts(args, task, tokenizer, eos_ids: list[int]):
     format chosen. Used by grpo_tools.py and sft_tools.py alike, so that the warm-up's prompts are RL's."""
     chat = args.chat_template != "none" and bool(tokenizer.chat_template)
     args.tool_format = {"auto": "chat" if chat else "compact"}.get(args.tool_format, args.tool_format)
-    template_tools = [calculator] if args.tool_format == "chat" and "tools" in str(tokenizer.chat_template) else None
+    template_tools = [calculator] if args.tool_format == "chat" and template_renders_tools(tokenizer) else None
     if args.tool_format == "chat":
         tool_format = ChatFormat(tokenizer, eos_ids, template_tools)
     else:

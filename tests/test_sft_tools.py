@@ -38,7 +38,7 @@ def test_with_a_template_that_knows_tools_the_demonstration_calls_in_its_format(
     tokenizer, eos = family_tokenizer(family)
     chat = tools.ChatFormat(tokenizer, eos, [tools.calculator])
     ids, is_target = sft_tools.demonstration(tokenizer, chat, 12, 34, call=True)
-    call_turn = tokenizer.decode(ids[: is_target.index(False) - len(chat.call_ends)])
+    call_turn = tokenizer.decode(ids[: is_target.index(False) - len(chat.end_of_turn)])
     assert chat.find_call(call_turn) == ("calculator", {"expression": "12 * 34"})
 
 

@@ -353,7 +353,8 @@ def test_the_evaluation_runs_in_batches_and_estimates_pass_at_k_without_bias(mon
 # The tool sections of three template families, shortened from the public templates of Qwen2.5-Instruct (Hermes-style
 # <tool_call>), Llama-3.2-Instruct (a bare JSON object with "parameters", the answer in an `ipython` message) and
 # Mistral-7B-Instruct-v0.3 ([TOOL_CALLS] and [TOOL_RESULTS], nine-character call ids): the calls and tool messages are
-# written as those templates write them; the system prompts' wording is cut.
+# written as those templates write them (Llama's tool message through `tojson`, which quotes a string and escapes its
+# " and control characters); the system prompts' wording is cut.
 QWEN_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a "
     "helpful assistant.{% endif %}{{ '\\n' }}\n# Tools\n\nYou are provided with function signatures within "
@@ -388,7 +389,8 @@ LLAMA_TEMPLATE = (
     '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "{{ call.name }}", "parameters": '
     "{{ call.arguments | tojson }}}<|eot_id|>"
     "{% elif message.role in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>\n\n"
-    "{{ message.content }}<|eot_id|>"
+    "{% if message.content is mapping or message.content is iterable %}{{ message.content | tojson }}"  # a string too
+    "{% else %}{{ message.content }}{% endif %}<|eot_id|>"
     "{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
@@ -480,8 +482,8 @@ def test_calls_in_a_templates_own_format_are_read_and_answered_on_template(famil
         m, tools=[tools.calculator], tokenize=False, add_generation_prompt=prompt
     )
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
-    built = encode(render(messages, True)) + encode(call_turn) + chat.call_ends + chat.result_ids(result)
-    built += encode("The answer is 29842.") + chat.call_ends
+    built = encode(render(messages, True)) + encode(call_turn) + chat.end_of_turn + chat.result_ids(result)
+    built += encode("The answer is 29842.") + chat.end_of_turn
     call = {"name": "calculator", "arguments": {"expression": "347 * 86"}}
     messages += [
         {
@@ -494,6 +496,56 @@ def test_calls_in_a_templates_own_format_are_read_and_answered_on_template(famil
     ]
     rendered = encode(render(messages, False))
     assert built == rendered[: len(built)] and tokenizer.decode(rendered[len(built) :]).strip() == ""  # (a closing "\n")
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama", "mistral"])
+@pytest.mark.parametrize("answer", ['error: syntax: unexpected "', "error: syntax: unexpected '\x01'", "tab\there, é"])
+def test_a_tools_answer_with_quotes_or_control_characters_is_shown_as_the_template_shows_it(family, answer):
+    """The calculator's errors repeat the model's bad character back. Llama 3.x's template writes a tool message
+    through `tojson` ("...\\"", "\\u0001"), so the answer is not in the rendered text verbatim; the environment's ids
+    are still, id for id, the template's rendering of that tool message (before the fix, SystemExit ended the run)."""
+    tokenizer, eos = family_tokenizer(family)
+    chat = tools.ChatFormat(tokenizer, eos, [tools.calculator])
+    call = {"name": "calculator", "arguments": {"expression": "1 + 1"}}
+    messages = [
+        {"role": "user", "content": "?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "id": tools.PROBE_CALL_ID, "function": call}],
+        },
+        {"role": "tool", "content": answer, "tool_call_id": tools.PROBE_CALL_ID, "name": "calculator"},
+    ]
+    render = lambda m, prompt: tokenizer.apply_chat_template(
+        m, tools=[tools.calculator], tokenize=False, add_generation_prompt=prompt
+    )
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    built = encode(render(messages[:1], True)) + encode(chat.call_text("1 + 1")) + chat.end_of_turn + chat.result_ids(answer)
+    assert built == encode(render(messages, True))
+    if family == "llama":
+        assert json.dumps(answer, ensure_ascii=False) in tokenizer.decode(chat.result_ids(answer))
+
+
+def test_llamas_end_of_message_also_ends_a_call_turn():
+    """Llama 3.x may end a call turn with <|eom_id|> (its system message says "Environment: ipython" when tools are
+    given): a call is answered after it as after <|eot_id|>; a family without it answers after its end of turn only."""
+    tokenizer, eos = family_tokenizer("llama")
+    chat = tools.ChatFormat(tokenizer, eos, [tools.calculator])
+    assert tokenizer.convert_ids_to_tokens(chat.end_of_turn) == ["<|eot_id|>"]
+    assert tokenizer.convert_ids_to_tokens(chat.call_ends) == ["<|eot_id|>", "<|eom_id|>"]
+    tokenizer, eos = family_tokenizer("qwen")
+    assert tokenizer.convert_ids_to_tokens(tools.ChatFormat(tokenizer, eos, [tools.calculator]).call_ends) == ["<|im_end|>"]
+
+
+def test_only_a_template_that_renders_tools_gets_them():
+    """The three families render the calculator's schema; a template that only mentions the word (in a comment) or
+    raises when given tools is not taken for one that knows tools."""
+    for family in FAMILIES:
+        assert tools.template_renders_tools(family_tokenizer(family)[0])
+    mentions = "{# tools #}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    raises = "{% if tools %}{{ raise_exception('no tools') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for template in (mentions, raises):
+        assert not tools.template_renders_tools(byte_tokenizer(template, ["<|im_end|>"], None))
 
 
 @pytest.mark.parametrize(
@@ -510,6 +562,13 @@ def test_calls_in_a_templates_own_format_are_read_and_answered_on_template(famil
             ("calculator", {"expression": "2*3"}),
         ),
         ('[TOOL_CALLS]calculator[ARGS]{"expression": "2*3"}', ("calculator", {"expression": "2*3"})),
+        (  # Mistral v11, two calls in one turn: the first is run
+            '[TOOL_CALLS]calculator[ARGS]{"expression": "2*3"}[TOOL_CALLS]calculator[ARGS]{"expression": "4"}',
+            ("calculator", {"expression": "2*3"}),
+        ),
+        ('[TOOL_CALLS]calculator[CALL_ID]a1b2c3d4e[ARGS]{"expression": "2*3"}', ("calculator", {"expression": "2*3"})),
+        ('{"name": "Ada", "age": 36}', None),  # a JSON answer that holds a "name": not Llama's call
+        ('{"name": "calculator", "parameters": {"expression": "2*3"}, "note": 1}', None),
         (
             '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>',
             ("calculator", {"expression": "2*3"}),
