@@ -26,6 +26,7 @@ Complete runs under --runs-dir are reused unless --fresh, so an interrupted benc
 
 import importlib.util
 import json
+import math
 import os
 import statistics
 import time
@@ -222,7 +223,8 @@ def learning(args: Args) -> list[str]:
     runs = learning_runs(args)
     lines = [
         "| engine behind by (--max-staleness) | correction | held-out accuracy at the end, seeds 1-3 | mean | lowest "
-        "accuracy after step 100 | mean \\|gap\\| per token | largest ratio rho | tokens truncated or masked |",
+        "accuracy after step 100 | mean \\|gap\\| per token | largest ratio (rho per token, W per response) "
+        "| tokens truncated or masked |",
         "| --- " * 8 + "|",
     ]
     for s in STALENESS:
@@ -232,7 +234,12 @@ def learning(args: Args) -> list[str]:
             lowest = min(a for rows in seeds for step, a in evaluations(rows) if step > 100)
             steps = [r for rows in seeds for r in rows if "rollout/logprob_gap" in r]
             gap = statistics.mean(r["rollout/logprob_gap"] for r in steps)
-            largest = max(r["train/is_ratio_max"] for r in steps)
+            # the largest importance ratio before the cap (rho_t per token, W per sequence); records made before
+            # grpo_engine.py logged the log-ratio hold the ratio itself
+            largest = max(
+                math.exp(r["train/is_log_ratio_max"]) if "train/is_log_ratio_max" in r else r["train/is_ratio_max"]
+                for r in steps
+            )
             changed = [r.get("train/is_truncated_frac", r.get("train/is_masked_frac")) for r in steps]
             changed = f"{statistics.mean(changed):.2%}" if None not in changed else "-"
             lines.append(

@@ -29,8 +29,9 @@ Departures from grpo.py (each change tagged ENGINE):
    weights up to k steps old (a step: a rollout and its num_minibatches x num_epochs updates). Generation and update
    take turns here, so the staleness is exact and a run reproducible; an asynchronous system overlaps them on other
    devices and gets the same staleness.
-4. The old log-probs are always the trainer's own forward pass: the clip's ratio is pi_theta / pi_old, the correction
-   pi_old / mu (decoupled PPO: Hilton et al. 2022, "Batch size-invariance for policy optimization", §3).
+4. The old log-probs are always the trainer's own (on-policy, one minibatch and one epoch, its update's pass detached,
+   as in grpo.py): the clip's ratio is pi_theta / pi_old, the correction pi_old / mu (decoupled PPO: Hilton et al.
+   2022, "Batch size-invariance for policy optimization", §3).
 5. Each token's whole term, the clipped surrogate and the KL penalty, is weighted: both are averages over pi_old's
    samples (TRL weights the surrogate only, and DeepSeek-V3.2 its KL by pi_theta / pi_old; a token MIS masks loses its
    KL term too). The reduction is unchanged: a masked token still counts in its response's length, as in TRL.
@@ -237,23 +238,24 @@ def compute_correction(old_logprobs, engine_logprobs, mask, args):
     log_ratio = torch.where(mask, old_logprobs - engine_logprobs, 0.0)  # (N, T) log rho_t, masked before exp
     if args.correction_level == "sequence":
         log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)  # (N, T) log W on every token of a response
-    ratio = torch.exp(log_ratio)  # (N, T) may overflow to inf for a long response: truncated to C, or masked
+    ratio = torch.exp(log_ratio)  # (N, T) may overflow to inf (or underflow to 0) for a long response
     if args.correction == "tis":
-        weights = ratio.clamp(max=args.correction_cap)
+        weights, changed = ratio.clamp(max=args.correction_cap), ratio > args.correction_cap  # truncated at C
     elif args.correction == "mis":
-        weights = torch.where((ratio >= args.correction_cap_low) & (ratio <= args.correction_cap), ratio, 0.0)
+        in_band = (ratio >= args.correction_cap_low) & (ratio <= args.correction_cap)
+        weights, changed = torch.where(in_band, ratio, 0.0), ~in_band  # masked (a ratio that underflowed to 0 too)
     else:
-        weights = torch.ones_like(ratio)
+        weights, changed = torch.ones_like(ratio), torch.zeros_like(mask)
     weights = torch.where(mask, weights, 0.0)  # (N, T) padding weighs nothing (and holds no inf for the backward pass)
 
-    gap = (old_logprobs - engine_logprobs)[mask]  # log rho_t of every valid token
+    gap = (old_logprobs - engine_logprobs)[mask].double()  # log rho_t of every valid token, in float64: exp stays finite
     metrics = {
         "rollout/logprob_gap": gap.abs(),  # |log pi_old - log mu| per token; its max is logged too
-        "kl/engine": torch.exp(gap) - 1 - gap,  # k3 of KL(mu || pi_old) per token, from the engine's samples
-        "train/is_ratio": ratio[mask],  # rho_t or W, before the cap; its min and max are logged too
+        "kl/engine": torch.expm1(gap) - gap,  # k3 of KL(mu || pi_old) per token, from the engine's samples
+        "train/is_log_ratio": log_ratio[mask],  # log rho_t or log W, before the cap (finite where W overflows); min, max
     }
     if args.correction != "none":  # the share of tokens, and of responses with at least one, truncated (TIS) or masked
-        changed = mask & (weights != ratio)  # (N, T)
+        changed = mask & changed  # (N, T)
         name = "train/is_masked" if args.correction == "mis" else "train/is_truncated"
         metrics.update({f"{name}_frac": changed[mask].float(), f"{name}_seq_frac": changed.any(dim=1).float()})
     return weights, metrics
@@ -369,10 +371,14 @@ if __name__ == "__main__":
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         T = completion_ids.shape[1]
-        # ENGINE: pi_old is the trainer's own forward pass, never the engine's log-probs: they differ
-        old_logprobs = common.logprobs_no_grad(policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size)
-        is_weights, correction_metrics = compute_correction(old_logprobs, engine_logprobs, mask, args)  # (B, T)
-        ref_logprobs = None  # (B, T), no gradient
+        # with one optimizer step per rollout the policy is still pi_old when the loss is computed: the old log-probs
+        # are then the current ones detached, and a separate forward pass would be wasted work
+        on_policy = args.num_minibatches == 1 and args.num_epochs == 1
+        old_logprobs, ref_logprobs = None, None  # (B, T) each, no gradient
+        if not on_policy:  # ENGINE: pi_old is always the trainer's own pass, never the engine's log-probs: they differ
+            old_logprobs = common.logprobs_no_grad(
+                policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
+            )
         if args.beta > 0:
             ref_logprobs = common.logprobs_no_grad(
                 ref_policy, input_ids, attention_mask, T, args.temperature, args.micro_batch_size
@@ -395,7 +401,7 @@ if __name__ == "__main__":
         # -------------------------------------------------------------------------------------------------------------
         # Update: num_epochs passes over num_minibatches minibatches, one optimizer step each
         # -------------------------------------------------------------------------------------------------------------
-        train_metrics = [correction_metrics]  # ENGINE: the mismatch and the weights, once per rollout
+        train_metrics = []
         for _ in range(args.num_epochs):
             for mb_idx in torch.randperm(args.batch_size, device=device).split(args.minibatch_size):
                 optimizer.zero_grad()
@@ -403,8 +409,13 @@ if __name__ == "__main__":
                     logprobs, entropy = common.completion_logprobs(
                         policy, input_ids[idx], attention_mask[idx], T, args.temperature
                     )  # (b, T) each
-                    micro_old_logprobs = old_logprobs[idx]  # ENGINE: always the trainer's own pass
+                    micro_old_logprobs = logprobs.detach() if on_policy else old_logprobs[idx]
                     micro_ref_logprobs = ref_logprobs[idx] if args.beta > 0 else None
+                    # ENGINE: the weights (b, T) from pi_old's and the engine's log-probs of these whole responses (with
+                    # several epochs they are logged once per epoch, the same values: their means and extremes unchanged)
+                    is_weights, correction_metrics = compute_correction(
+                        micro_old_logprobs, engine_logprobs[idx], mask[idx], args
+                    )
                     loss, metrics = compute_loss(
                         logprobs,
                         micro_old_logprobs,
@@ -413,12 +424,12 @@ if __name__ == "__main__":
                         mask[idx],
                         args,
                         len(mb_idx),
-                        is_weights[idx],
+                        is_weights,
                     )
                     common.check_finite(loss, "loss", step)
                     loss.backward()
                     metrics["train/entropy"] = entropy[mask[idx]]
-                    train_metrics.append(metrics)
+                    train_metrics += [metrics, correction_metrics]  # ENGINE: the mismatch and the weights too
                 dist.average_gradients(optimizer)  # under torchrun: every gradient becomes its mean over the processes
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 common.check_finite(grad_norm, "gradient norm", step)
@@ -432,7 +443,9 @@ if __name__ == "__main__":
         # Log and evaluate
         # -------------------------------------------------------------------------------------------------------------
         grouped = gold.view(-1, args.group_size)  # outcomes
-        row = common.pool_metrics(train_metrics, min_max=("train/ratio", "train/is_ratio", "rollout/logprob_gap"))  # ENGINE
+        row = common.pool_metrics(
+            train_metrics, min_max=("train/ratio", "train/is_log_ratio", "rollout/logprob_gap")
+        )  # ENGINE
         row.update(
             {
                 "rollout/reward_mean": rewards.mean(),

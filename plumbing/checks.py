@@ -143,7 +143,12 @@ def engine_flags(args, dtypes) -> None:
         raise SystemExit(f"--correction {args.correction!r}: allowed values are none, tis, mis")
     if args.correction_level not in ("token", "sequence"):
         raise SystemExit(f"--correction-level {args.correction_level!r}: allowed values are token, sequence")
-    flag(args, "correction_cap", "must be at least 1 (a weight of 1: the engine and the trainer agree)", lambda v: v >= 1)
+    flag(
+        args,
+        "correction_cap",
+        "must be finite and at least 1 (a weight of 1: the engine and the trainer agree; a response's ratio can overflow)",
+        lambda v: 1 <= v < float("inf"),
+    )
     flag(args, "correction_cap_low", "must be in [0, 1]", lambda v: 0 <= v <= 1)
     if args.correction_cap_low and args.correction != "mis":
         raise SystemExit(f"--correction-cap-low {args.correction_cap_low}: only --correction mis masks below a bound")

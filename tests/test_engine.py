@@ -189,6 +189,7 @@ E = math.exp
         ("tis", "sequence", 1.5, 0.0, [[E(0.3), E(0.3)], [1.0, 0.0]], 0.0, 0.0),
         ("tis", "sequence", 1.2, 0.0, [[1.2, 1.2], [1.0, 0.0]], 2 / 3, 1 / 2),
         ("mis", "sequence", 1.2, 0.0, [[0.0, 0.0], [1.0, 0.0]], 2 / 3, 1 / 2),
+        ("mis", "sequence", 3.0, 0.5, [[E(0.3), E(0.3)], [1.0, 0.0]], 0.0, 0.0),
         ("none", "token", 2.0, 0.0, [[1.0, 1.0], [1.0, 0.0]], None, None),
     ],
 )
@@ -199,9 +200,11 @@ def test_correction_weights_and_shares_against_numbers_worked_by_hand(
     got, metrics = grpo_engine.compute_correction(OLD, ENGINE, MASK, args)
     # float32 exp of numbers below 1 in size: a relative error of a few ulps, 1e-6 is far above it
     assert torch.allclose(got, torch.tensor(weights), rtol=0, atol=1e-6)
-    assert torch.allclose(metrics["rollout/logprob_gap"], torch.tensor([0.5, 0.2, 0.0]), rtol=0, atol=1e-6)
+    assert torch.allclose(
+        metrics["rollout/logprob_gap"], torch.tensor([0.5, 0.2, 0.0], dtype=torch.float64), rtol=0, atol=1e-6
+    )
     k3 = [E(0.5) - 1 - 0.5, E(-0.2) - 1 + 0.2, 0.0]  # rho - 1 - log rho, KL(mu || pi_old) of each token's sample
-    assert torch.allclose(metrics["kl/engine"], torch.tensor(k3), rtol=0, atol=1e-6)
+    assert torch.allclose(metrics["kl/engine"], torch.tensor(k3, dtype=torch.float64), rtol=0, atol=1e-6)
     name = {"tis": "train/is_truncated", "mis": "train/is_masked"}.get(correction)
     if name is None:
         assert not any(k.startswith(("train/is_truncated", "train/is_masked")) for k in metrics)
@@ -210,16 +213,32 @@ def test_correction_weights_and_shares_against_numbers_worked_by_hand(
         assert metrics[f"{name}_seq_frac"].mean().item() == pytest.approx(changed_responses)
 
 
+def test_a_ratio_that_underflows_to_0_below_the_lower_cap_counts_as_masked():
+    """MIS with C_low = 0.5: a response whose log-ratios add up to -200 has W = e^-200 = 0 in float32, below the band:
+    its weight is 0 and it counts as masked (before the fix, a weight equal to its ratio, 0 = 0, counted as kept)."""
+    old = torch.full((2, 2), -1.0)
+    engine = torch.tensor([[99.0, 99.0], [-1.0, -1.0]])  # (not real log-probs: only their difference matters here)
+    args = grpo_engine.Args(correction="mis", correction_level="sequence", correction_cap=2.0, correction_cap_low=0.5)
+    weights, metrics = grpo_engine.compute_correction(old, engine, torch.ones(2, 2, dtype=torch.bool), args)
+    assert weights.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    assert metrics["train/is_masked_frac"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert metrics["train/is_masked_seq_frac"].tolist() == [1.0, 0.0]
+
+
 @pytest.mark.parametrize("correction", ["tis", "mis"])
-def test_a_sequence_ratio_that_overflows_gives_finite_weights_and_gradients(correction):
+def test_a_sequence_ratio_that_overflows_gives_finite_weights_gradients_and_metrics(correction):
     """A long response whose log-ratios add up to 200 has W = e^200 = inf in float32: TIS truncates it to C, MIS masks
-    it, and neither the loss nor its gradient holds a NaN (padding included)."""
+    it, neither the loss nor its gradient holds a NaN (padding included), and every logged statistic is finite: the
+    log-ratio (200 on each of its tokens) instead of the ratio, KL(mu || pi_old) per token in float64."""
     old = torch.full((2, 4), -1.0)
     engine = torch.tensor([[-51.0, -51.0, -51.0, -51.0], [-1.0, -1.0, -1.0, -1.0]])
     mask = torch.tensor([[True] * 4, [True, True, False, False]])
     args = grpo_engine.Args(correction=correction, correction_level="sequence", correction_cap=2.0, beta=0.0)
-    weights, _ = grpo_engine.compute_correction(old, engine, mask, args)
+    weights, metrics = grpo_engine.compute_correction(old, engine, mask, args)
     assert torch.equal(weights[0], torch.full((4,), 2.0 if correction == "tis" else 0.0))
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    assert metrics["train/is_log_ratio"].tolist() == [200.0] * 4 + [0.0] * 2
+    assert metrics["kl/engine"][0].item() == pytest.approx(math.exp(50) - 51, rel=1e-12)  # one token's gap of 50 nats
     logprobs = old.clone().requires_grad_(True)
     loss, _ = grpo_engine.compute_loss(logprobs, old, None, torch.tensor([1.0, -1.0]), mask, args, None, weights)
     loss.backward()
@@ -260,12 +279,29 @@ def test_each_rollout_comes_from_the_weights_the_schedule_says(monkeypatch, mode
         assert (row["rollout/logprob_gap_max"] < 1e-4) == (stale == 0), row
 
 
+@pytest.mark.parametrize("num_minibatches, policy_passes", [(1, 0), (2, 2)])
+def test_on_policy_the_old_log_probs_come_from_the_update_s_own_pass(
+    monkeypatch, model_dir, tmp_path, num_minibatches, policy_passes
+):
+    """One minibatch and one epoch: the policy is still pi_old when the loss is computed, so no separate no-grad pass
+    of the policy runs (grpo.py's saving); with two minibatches the second is taken after an optimizer step, and pi_old
+    needs its own pass, once per step. Either way the correction is computed and logged (the schedule test above checks
+    its values against the engine's)."""
+    passes = []
+    logprobs_no_grad = common.logprobs_no_grad
+    monkeypatch.setattr(common, "logprobs_no_grad", lambda model, *a: passes.append(model) or logprobs_no_grad(model, *a))
+    flags = ["--num-minibatches", str(num_minibatches), "--beta", "0"]
+    run_here(monkeypatch, "grpo_engine.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL, *flags)
+    assert len(passes) == policy_passes  # SMALL: 2 steps
+    assert all("train/is_log_ratio" in row and "rollout/logprob_gap_max" in row for row in rows(tmp_path)[1:])
+
+
 def test_the_default_run_corrects_per_token_with_a_cap_of_2_and_logs_the_mismatch(monkeypatch, model_dir, tmp_path):
     """The default engine is a bf16 copy: its log-probs differ from the float32 trainer's by rounding, never by 0."""
     run_here(monkeypatch, "grpo_engine.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
     row = rows(tmp_path)[-1]
     assert 0 < row["rollout/logprob_gap"] < row["rollout/logprob_gap_max"] < 1.0
-    assert row["train/is_ratio_min"] < 1 < row["train/is_ratio_max"]
+    assert row["train/is_log_ratio_min"] < 0 < row["train/is_log_ratio_max"]
     assert "train/is_truncated_frac" in row and "train/is_masked_frac" not in row
 
 

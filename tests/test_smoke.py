@@ -80,7 +80,7 @@ def rows(output_dir):
         ("sapo.py", ["train/gate_weight", "kl/ref"]),
         ("maxrl.py", ["kl/ref", "eval/pass@1", "eval/pass@2"]),  # with --eval-samples 2
         ("opd.py", ["kl/teacher", "rollout/gold_accuracy"]),
-        ("grpo_engine.py", ["rollout/logprob_gap_max", "kl/engine", "train/is_ratio_min", "rollout/staleness", "kl/ref"]),
+        ("grpo_engine.py", ["rollout/logprob_gap_max", "kl/engine", "train/is_log_ratio_min", "rollout/staleness", "kl/ref"]),
     ],
 )
 def test_end_to_end_through_the_command_line(monkeypatch, model_dir, teacher_dir, tmp_path, script, keys):
