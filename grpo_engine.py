@@ -49,6 +49,7 @@ Departures of grpo.py from the paper, kept:
 """
 
 import collections
+import functools
 import os
 import random
 import time
@@ -468,7 +469,10 @@ if __name__ == "__main__":
             row.update(eval_metrics)
         logger.log(step, row)
         bar.set_postfix(reward=f"{rewards.mean().item():.2f}", eval_accuracy=f"{eval_metrics['eval/accuracy']:.2f}")
-        checkpoint.step_done(step, engines.checkpoint_extra(checkpoint, engine, engine_version, step, rollouts))  # ENGINE
+        # ENGINE: the engine's state (its weights between syncs, the batches sampled ahead) is gathered only when saved
+        checkpoint.step_done(
+            step, functools.partial(engines.checkpoint_extra, checkpoint, engine, engine_version, step, rollouts)
+        )
 
     # -----------------------------------------------------------------------------------------------------------------
     # Save

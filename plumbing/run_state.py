@@ -223,13 +223,14 @@ class Checkpoint:
         self.extra = state["extra"]
         print(f"resuming after step {self.step} from {self.path}")
 
-    def step_done(self, step: int, extra: dict | None = None) -> None:
+    def step_done(self, step: int, extra=None) -> None:
         """Call once a step is logged: saves every --save-every steps, and after an interrupt saves and exits; `extra`, the
-        script's own loop state after this step, is saved with it."""
+        script's own loop state after this step, is saved with it (a dict, or a function that returns it, called only
+        when a checkpoint is written: under torchrun on every rank at the same step)."""
         if dist.world_size() > 1:  # one rank interrupted: all of them save and stop at this step
             self.interrupted = bool(dist.all_reduce(torch.tensor(int(self.interrupted)), "max"))
         if self.interrupted or (self.save_every and step % self.save_every == 0):
-            self.save(step, extra)
+            self.save(step, extra() if callable(extra) else extra)
         if self.interrupted:
             self.close()
             if dist.is_main():

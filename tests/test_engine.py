@@ -296,6 +296,17 @@ def test_on_policy_the_old_log_probs_come_from_the_update_s_own_pass(
     assert all("train/is_log_ratio" in row and "rollout/logprob_gap_max" in row for row in rows(tmp_path)[1:])
 
 
+def test_the_engine_s_state_is_gathered_only_for_a_checkpoint(monkeypatch, model_dir, tmp_path):
+    """--save-every 2 over 4 steps: the engine's part of the checkpoint (its weights between syncs, the batches sampled
+    ahead, gathered across processes under torchrun) is built twice, at steps 2 and 4, not at every step."""
+    built = []
+    checkpoint_extra = engines.checkpoint_extra
+    monkeypatch.setattr(engines, "checkpoint_extra", lambda *a: built.append(a[3]) or checkpoint_extra(*a))
+    small = [*SMALL[:1], "4", *SMALL[2:], "--save-every", "2", "--max-staleness", "1"]
+    run_here(monkeypatch, "grpo_engine.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *small)
+    assert built == [2, 4]
+
+
 def test_the_default_run_corrects_per_token_with_a_cap_of_2_and_logs_the_mismatch(monkeypatch, model_dir, tmp_path):
     """The default engine is a bf16 copy: its log-probs differ from the float32 trainer's by rounding, never by 0."""
     run_here(monkeypatch, "grpo_engine.py", "--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL)
