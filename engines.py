@@ -19,6 +19,7 @@ engine's own logits (0 at padding): no top-k or top-p, which would change the di
 """
 
 import os
+import sys
 
 import torch
 
@@ -139,6 +140,15 @@ class VLLMEngine:
 
 def make_engine(args, policy, tokenizer, prompts: list[str], device):
     """--engine builtin or vllm, in --engine-dtype, holding the policy's weights (the merged ones under --lora-rank)."""
+    low_precision_base = args.lora_rank and lora.base_dtype(args, device) != torch.float32
+    if low_precision_base and args.engine_dtype != "float32" and dist.is_main():
+        print(
+            f"warning: --lora-rank on a {lora.base_dtype(args, device)} base with a {args.engine_dtype} engine: the merged "
+            "W + delta rounds back to W wherever delta is under half a rounding step of W (about 6% of the adapter's "
+            "update reaches the engine at |delta| / |W| = 1e-4, about half at 1e-3), so the engine lags the trainer; "
+            "--lora-base-dtype float32 or --engine-dtype float32 keeps it (docs/engine.md)",
+            file=sys.stderr,
+        )
     if args.engine == "vllm":
         path = models.resolve_model_path(args.model_name_or_path, args.cache_dir, args.task)
         longest_prompt = max(len(ids) for ids in tokenizer(list(prompts), add_special_tokens=False).input_ids)
