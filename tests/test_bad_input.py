@@ -95,13 +95,19 @@ def test_the_new_scripts_refuse_their_own_flags_out_of_range(module, flag, value
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"engine": "sglang"}, "--engine 'sglang': allowed values are builtin, vllm"),
+        ({"engine": "sglang"}, "--engine 'sglang': allowed values are builtin, vllm, vllm-server"),
         ({"engine_dtype": "float8"}, "--engine-dtype 'float8': allowed values are bfloat16, float16, float32"),
         ({"sync_every": 0}, "--sync-every 0: must be at least 1"),
         ({"max_staleness": -1}, "--max-staleness -1: must be 0 (every rollout from the latest weights) or positive"),
         ({"sync_every": 3, "max_staleness": 1}, "--max-staleness 1: must be at least --sync-every - 1 = 2"),
         ({"correction": "ppo"}, "--correction 'ppo': allowed values are none, tis, mis"),
         ({"correction_level": "geometric"}, "--correction-level 'geometric': allowed values are token, sequence"),
+        ({"engine": "vllm-server"}, "--engine-url (none): --engine vllm-server needs one server's URL per process (1)"),
+        (
+            {"engine": "vllm-server", "engine_url": ("http://a:1", "http://b:1")},
+            "--engine-url http://a:1 http://b:1: --engine vllm-server needs one server's URL per process (1)",
+        ),
+        ({"engine_url": ("http://a:1",)}, "--engine-url http://a:1: only --engine vllm-server samples from a server"),
         ({"correction_cap": 0.5}, "--correction-cap 0.5: must be finite and at least 1"),
         ({"correction_cap": NAN}, "--correction-cap nan: must be finite and at least 1"),
         ({"correction_cap": INF}, "--correction-cap inf: must be finite and at least 1"),
@@ -331,6 +337,14 @@ def closed_port_url() -> str:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+def test_a_vllm_server_that_does_not_answer_is_one_line_before_any_model_loads():
+    url = closed_port_url()
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_engine.check_args(grpo_engine.Args(engine="vllm-server", engine_url=(url,), model_name_or_path="/nonexistent"))
+    line = str(exit_info.value.code)
+    assert line.startswith(f"--engine-url {url}: no vLLM server answers there (") and "\n" not in line, line
 
 
 def offline(tmp_path, script, *flags):

@@ -35,7 +35,7 @@ BUDGETS = {  # changed lines against grpo.py, at most
     "maxrl.py": 44,
     "opd.py": 93,
     "grpo_tools.py": 217,
-    "grpo_engine.py": 180,
+    "grpo_engine.py": 190,
 }
 
 
