@@ -13,6 +13,7 @@ Runs are sequential, so that the wall-clock times are comparable.
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def run_once(script: str, flags: list[str], out: str, fresh: bool, label: str) -
         start = time.time()
         python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))  # a copy elsewhere too
         env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": python_path}
+        shutil.rmtree(out, ignore_errors=True)  # a run to replace, or one cut short: the scripts refuse to write over a run
         cmd = [sys.executable, f"{script}.py", *flags, "--output-dir", out]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -93,6 +94,7 @@ def run_measured(script: str, flags: list[str], out: str, fresh: bool, env: dict
     rows of its metrics.jsonl and, in measured.json, the whole command's seconds and its peak resident memory (the
     process's own high-water mark, from wait4)."""
     if fresh or not os.path.isfile(os.path.join(out, "measured.json")):
+        shutil.rmtree(out, ignore_errors=True)  # a run to replace, or one cut short: the scripts refuse to write over a run
         os.makedirs(out, exist_ok=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", **(env or {})}
         print(f"{script} {' '.join(flags)} ...", flush=True)

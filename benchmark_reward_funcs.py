@@ -67,6 +67,7 @@ def run_missing(args: Args) -> None:
             if os.path.isfile(record_path(part, seed)):
                 continue
             start = time.time()
+            shutil.rmtree(os.path.join(args.runs_dir, f"{part}-seed{seed}"), ignore_errors=True)  # one cut short, if any
             subprocess.run(command(part, seed, args.runs_dir), cwd=ROOT, check=True)
             save_record(part, seed, os.path.join(args.runs_dir, f"{part}-seed{seed}"), (time.time() - start) / 60)
 

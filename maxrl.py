@@ -83,6 +83,8 @@ class Args:
     """save a checkpoint (trained weights, optimizer, random states, step) every this many steps, and when interrupted"""
     resume: bool = False
     """continue the run in --output-dir from its checkpoint, appending to its metrics.jsonl"""
+    overwrite: bool = False
+    """start afresh in an --output-dir that holds another run, replacing its metrics, samples and checkpoint"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass instead of storing them: less memory, slower steps"""
     fsdp: bool = False

@@ -110,8 +110,16 @@ def resume_flags(args) -> None:
 
 
 def output_folders(args) -> None:
-    """The last check: the output folder is created (or found) writable, and so is the cache when a warm-up is due."""
+    """The last check: the output folder is created (or found) writable, and holds no other run unless --resume (to
+    continue it) or --overwrite (to replace it) says so; the cache is writable when a warm-up is due."""
     writable_dir("--output-dir", args.output_dir)
+    held = [name for name in ("checkpoint.pt", "metrics.jsonl") if os.path.isfile(os.path.join(args.output_dir, name))]
+    if held and not args.resume and not args.overwrite:
+        resume = "--resume continues it, " if "checkpoint.pt" in held else ""
+        raise SystemExit(
+            f"--output-dir {args.output_dir}: holds another run ({' and '.join(held)}): {resume}--overwrite replaces it, "
+            "or give another --output-dir"
+        )
     if args.model_name_or_path == "builtin" and not os.path.isdir(models.builtin_model_dir(args.cache_dir, args.task)):
         writable_dir("--cache-dir", models.cache_root(args.cache_dir))  # the warm-up will be cached there
 

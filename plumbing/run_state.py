@@ -128,6 +128,8 @@ class Checkpoint:
         self.step, self.resumed_step, self.extra, self.interrupted, self.ctrl_c = 0, None, {}, False, 0
         if args.resume:
             self.load()
+        elif dist.is_main() and os.path.isfile(self.path):  # --overwrite: the replaced run's checkpoint must not be resumed
+            os.remove(self.path)
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():
             self.handlers = {s: signal.signal(s, self.interrupt) for s in (signal.SIGINT, signal.SIGTERM)}

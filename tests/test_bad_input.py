@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_smoke import ROOT, run_here
+from test_smoke import ROOT, SMALL, rows, run_here
 
 import cispo
 import dapo
@@ -226,6 +226,30 @@ def test_an_output_folder_that_cannot_be_created_is_refused(module, tmp_path):
     )
 
 
+@pytest.mark.parametrize("module", [*RL_SCRIPTS, *PREFERENCE], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("held", ["checkpoint.pt", "metrics.jsonl"])
+def test_an_output_folder_that_holds_another_run_is_refused_unless_resumed_or_overwritten(module, held, tmp_path):
+    """runs/<script>__<seed> is every run's default folder: a second run with another task or model would replace the
+    first without a word (and it is opd.py's default teacher). It is refused in one line; --resume and --overwrite pass."""
+    (tmp_path / held).write_text("")
+    flags = {"output_dir": str(tmp_path), "cache_dir": str(tmp_path / "c")}
+    resume = "--resume continues it, " if held == "checkpoint.pt" else ""  # (--resume needs a checkpoint)
+    refused(module, f"--output-dir {tmp_path}: holds another run ({held}): {resume}--overwrite replaces it", **flags)
+    if held == "checkpoint.pt":
+        module.check_args(module.Args(resume=True, **flags))
+    module.check_args(module.Args(overwrite=True, **flags))
+
+
+def test_overwrite_replaces_the_run_and_its_checkpoint(model_dir, tmp_path, monkeypatch):
+    """--overwrite: the new run's metrics replace the old run's, and the old checkpoint is gone before the first save
+    (a --resume after an interruption must not pick up the replaced run's)."""
+    flags = ["--model-name-or-path", model_dir, "--output-dir", str(tmp_path), *SMALL]
+    run_here(monkeypatch, "grpo.py", *flags, "--save-every", "1")
+    assert (tmp_path / "checkpoint.pt").is_file()
+    run_here(monkeypatch, "grpo.py", *flags, "--save-every", "100", "--total-steps", "1", "--overwrite")
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1] and not (tmp_path / "checkpoint.pt").exists()
+
+
 def test_a_cache_folder_that_cannot_be_created_is_refused_when_a_warm_up_is_due(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -342,7 +366,7 @@ def closed_port_url() -> str:
 def test_a_vllm_server_that_does_not_answer_is_one_line_before_any_model_loads():
     url = closed_port_url()
     with pytest.raises(SystemExit) as exit_info:
-        grpo_engine.check_args(grpo_engine.Args(engine="vllm-server", engine_url=(url,), model_name_or_path="/nonexistent"))
+        grpo_engine.check_args(grpo_engine.Args(engine="vllm-server", engine_url=(url,)))
     line = str(exit_info.value.code)
     assert line.startswith(f"--engine-url {url}: no vLLM server answers there (") and "\n" not in line, line
 
