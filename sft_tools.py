@@ -19,7 +19,7 @@ products ("What is 347 * 86?"), and trains on them:
   tool message is context, never a target, as in RL (a model trained to predict the calculator's answers learns to forge
   them: docs/tools.md).
 
-    python sft_tools.py --model-name-or-path MODEL_DIR       # MODEL_DIR: the folder of prepare_smollm2.py
+    python sft_tools.py --model-name-or-path MODEL_DIR       # MODEL_DIR: python -m benchmarks.prepare_smollm2 prints it
     python grpo_tools.py --model-name-or-path runs/sft_tools__1/model --task products --tool-format chat
 
 The warm-up runs in one process, on the GPU when there is one. grpo_tools.py's first evaluation (step 0) is the
@@ -46,7 +46,7 @@ from plumbing import checks, dist, models, run_state
 @dataclass
 class Args:
     model_name_or_path: str
-    """the chat model to warm up: a local folder (e.g. prepare_smollm2.py's) or a hub id"""
+    """the chat model to warm up: a local folder (e.g. benchmarks/prepare_smollm2.py's) or a hub id"""
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the script's name)"""
     seed: int = 1

@@ -1,6 +1,6 @@
 """benchmark.py's bookkeeping on hand-made metrics (no training, no matplotlib)."""
 
-import benchmark
+from benchmarks import benchmark
 
 
 def run(accuracies, minutes_per_eval=1.0, responses_per_eval=100):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import benchmark_effects
+from benchmarks import benchmark_effects
 
 
 def write_run(folder, rows, seconds=60.0, flags=None):
@@ -131,14 +131,33 @@ def test_opd_starts_only_after_its_teacher_the_grpo_run_is_complete(tmp_path, mo
 
 
 def test_an_unknown_script_in_only_is_refused_in_one_line_before_anything_runs(tmp_path):
-    command = [sys.executable, "benchmark_effects.py", "--only", "grpo", "drgrpo", "--runs-dir", str(tmp_path / "runs")]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.benchmark_effects",
+        "--only",
+        "grpo",
+        "drgrpo",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 1 and "--only: 'drgrpo' is not one of grpo, rloo, dr_grpo" in result.stderr
     assert not os.path.exists(tmp_path / "runs")
 
 
 def test_opd_without_its_teacher_is_refused_in_one_line_before_anything_runs(tmp_path):
-    command = [sys.executable, "benchmark_effects.py", "--parts", "scripts", "--only", "opd", "--model-dir", "MODEL"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.benchmark_effects",
+        "--parts",
+        "scripts",
+        "--only",
+        "opd",
+        "--model-dir",
+        "MODEL",
+    ]
     command += ["--runs-dir", str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]
     result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 1 and "opd.py's teacher, GRPO's seed-1 model" in result.stderr
@@ -226,7 +245,17 @@ def test_the_pairs_lengths_are_counted_in_the_models_tokens(tmp_path, model_dir)
 
 
 def test_the_preference_part_without_the_model_that_answers_is_refused_in_one_line(tmp_path):
-    command = [sys.executable, "benchmark_effects.py", "--parts", "preference", "--only", "dpo", "--model-dir", "MODEL"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.benchmark_effects",
+        "--parts",
+        "preference",
+        "--only",
+        "dpo",
+        "--model-dir",
+        "MODEL",
+    ]
     command += ["--runs-dir", str(tmp_path / "runs"), "--docs-dir", str(tmp_path / "docs")]
     result = subprocess.run(command, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 1 and "--parts preference: the pairs' answers come from" in result.stderr

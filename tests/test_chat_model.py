@@ -261,9 +261,9 @@ def test_the_real_model_benchmark_writes_plain_prompts_that_dpo_renders(chat_mod
     would be refused (a prompt holding special tokens) and the benchmark would stop there."""
     import transformers
 
-    import benchmark_real_model
     import dpo
     import preference_pairs
+    from benchmarks import benchmark_real_model
 
     path = str(tmp_path / "pairs.jsonl")
     benchmark_real_model.write_pairs(path)

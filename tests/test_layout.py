@@ -220,7 +220,7 @@ def test_the_readme_pass_at_k_table_is_that_of_the_generated_tables():
 def test_the_real_model_pages_quote_the_generated_tables():
     """Every table of docs/real-model.md, and each table of docs/fitting-a-gpu.md and docs/results.md headed like one of
     docs/real-model/results.md, is a table of that generated file, row for row: the pages quote one sitting of
-    `python benchmark_real_model.py`, not figures of their own."""
+    `python -m benchmarks.benchmark_real_model`, not figures of their own."""
     with open(os.path.join(ROOT, "docs", "real-model", "results.md")) as f:
         generated = markdown_tables(f.read())
     with open(os.path.join(ROOT, "docs", "real-model.md")) as f:
@@ -239,7 +239,7 @@ def test_the_real_model_pages_quote_the_generated_tables():
 
 def test_the_engine_page_quotes_the_generated_tables():
     """The measured tables of docs/engine.md are tables of docs/engine/results.md, row for row: the page quotes
-    `python benchmark_engine.py`, not figures of its own."""
+    `python -m benchmarks.benchmark_engine`, not figures of its own."""
     with open(os.path.join(ROOT, "docs", "engine", "results.md")) as f:
         generated = markdown_tables(f.read())
     with open(os.path.join(ROOT, "docs", "engine.md")) as f:
@@ -291,9 +291,10 @@ def test_the_readme_states_every_diff_budget():
 
 
 def test_pyproject_names_every_module_of_the_project_first_party():
-    """ruff's import order: every module at the root, plumbing, and tests/helpers.py (which the tests import by name)."""
+    """ruff's import order: every module at the root, plumbing, benchmarks, and tests/helpers.py (which the tests import
+    by name)."""
     listed = re.search(r"known-first-party = \[(.*?)\]", read("pyproject.toml"), re.DOTALL).group(1)
-    modules = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")} | {"plumbing"}
+    modules = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")} | {"plumbing", "benchmarks"}
     names = set(re.findall(r'"(\w+)"', listed))
     assert names == modules | {"helpers"}, f"missing: {modules - names}, not modules: {names - modules - {'helpers'}}"
 
@@ -376,7 +377,7 @@ def test_the_effects_page_quotes_the_headline_tables_of_the_records():
     """Each headline table of docs/effects.md (headed | measure | `grpo.py` | `X.py` |) and its preference table are, row
     for row, the ones that benchmark_effects.py writes from the run records kept in docs/real-model/effects-runs: the
     page quotes the benchmark, not figures of its own."""
-    import benchmark_effects
+    from benchmarks import benchmark_effects
 
     args = benchmark_effects.Args(docs_dir=os.path.join(ROOT, "docs", "real-model"))
     generated = markdown_tables(

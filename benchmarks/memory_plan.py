@@ -3,10 +3,10 @@ opd.py's teacher, and what each phase of a step adds (generation's KV cache, the
 (fp32 weights, bf16 autocast) and for LoRA (--lora-rank, the frozen weights in bf16). docs/fitting-a-gpu.md explains
 every term.
 
-    python memory_plan.py                                          # the table of docs/fitting-a-gpu.md (Qwen2.5 0.5B-7B)
-    python memory_plan.py --model-name-or-path Qwen2.5-1.5B --micro-batch-size 8 --sequence-length 512
-    python memory_plan.py --teacher Qwen2.5-7B --no-reference      # opd.py with a 7B teacher (its default --beta 0)
-    python memory_plan.py --model-name-or-path Qwen/Qwen2.5-7B-Instruct --lora-rank 16 --sequence-length 2048
+    python -m benchmarks.memory_plan  # the table of docs/fitting-a-gpu.md (Qwen2.5 0.5B-7B)
+    python -m benchmarks.memory_plan --model-name-or-path Qwen2.5-1.5B --micro-batch-size 8 --sequence-length 512
+    python -m benchmarks.memory_plan --teacher Qwen2.5-7B --no-reference  # opd.py with a 7B teacher (its default --beta 0)
+    python -m benchmarks.memory_plan --model-name-or-path Qwen/Qwen2.5-7B-Instruct --lora-rank 16 --sequence-length 2048
 
 A step's peak is what lives throughout (weights, gradients, AdamW's state, a reference, a teacher) plus the largest of
 three phases, never alive together:

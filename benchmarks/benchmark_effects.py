@@ -1,16 +1,16 @@
 """What each diff does, on a real model: every RL script on SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the
 CPU, and the headline effect of each algorithm against GRPO over seeds.
 
-    pip install matplotlib                                  # the chart
-    python benchmark_effects.py --jobs 2                    # every part, two one-thread runs at a time
-    python benchmark_effects.py --parts scripts --jobs 2    # one part only: the page shows every run found so far
+    pip install matplotlib                                           # the chart
+    python -m benchmarks.benchmark_effects --jobs 2                  # every part, two one-thread runs at a time
+    python -m benchmarks.benchmark_effects --parts scripts --jobs 2  # one part only: the page shows every run found so far
 
 Every run shares one setting, EFFECT: the sums task ("What is 61 + 48?") with its system message "Solve the problem step
 by step. ...", a budget of 64 new tokens (room for the model to explain, so that the length of a response can move), 4
 prompts x 8 responses per step, a learning rate of 1e-5, no KL term (beta 0: the siblings differ in their losses, not in
 a reference model), 16 steps, the 200 held-out problems answered greedily at steps 0, 8 and 16. The parts:
 1. scripts: every RL script once (seed 1) with EFFECT and the few flags its algorithm needs (SCRIPT_FLAGS); grpo_tools.py
-   learns its own real-model task, measured by `python benchmark_real_model.py --tools` (docs/real-model/tools.md);
+   learns its own real-model task, measured by `python -m benchmarks.benchmark_real_model --tools` (docs/real-model/tools.md);
 2. headline: seeds 1-3 of GRPO and of each algorithm compared with it (HEADLINE);
 3. pass-at-k: 8 answers sampled per held-out problem by the untrained model and the final GRPO, MaxRL and RLOO models:
    pass@k for k = 1, 2, 4, 8 (MaxRL's claim), and how GRPO's and RLOO's advantages weigh problems by how many of 8
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import tyro
 
-import prepare_smollm2
-from benchmark_real_model import cpu_name, gib, run_measured, with_values
+from benchmarks import prepare_smollm2
+from benchmarks.benchmark_real_model import cpu_name, gib, run_measured, with_values
 
 EFFECT = ["--task", "sums", "--max-new-tokens", "64", "--num-prompts", "4", "--group-size", "8", "--learning-rate", "1e-5"]
 EFFECT += ["--beta", "0", "--total-steps", "16", "--eval-every", "8"]
@@ -390,7 +390,7 @@ def scripts_section(args: Args) -> list[str]:
     lines += [
         "",
         "`grpo_tools.py` learns its own task on this model (products, the calculator called in the chat format, after a "
-        "supervised warm-up): `python benchmark_real_model.py --tools` measures it, in [tools.md](tools.md).",
+        "supervised warm-up): `python -m benchmarks.benchmark_real_model --tools` measures it, in [tools.md](tools.md).",
     ]
     return lines
 
@@ -403,7 +403,7 @@ def at_evaluations(evals: list[dict], key: str, fmt: str) -> str:
 def preference_section(args: Args) -> list[str]:
     path = os.path.join(args.docs_dir, "effects-runs", "sums-pairs.json")
     if not os.path.isfile(path):
-        return ["Not run yet: `python benchmark_effects.py --parts preference`."]
+        return ["Not run yet: `python -m benchmarks.benchmark_effects --parts preference`."]
     with open(path) as f:
         built = json.load(f)
     lines = [
@@ -644,7 +644,7 @@ if __name__ == "__main__":
             if load_run(args, script, seed):
                 sample_final_model(args, script, seed)
     lines = [
-        "`python benchmark_effects.py`: SmolLM2-135M-Instruct, offline, on the CPU. Where each run was measured:",
+        "`python -m benchmarks.benchmark_effects`: SmolLM2-135M-Instruct, offline, on the CPU. Where each run was measured:",
         "",
         *measured_on(args),
         "",

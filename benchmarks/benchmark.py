@@ -1,10 +1,10 @@
 """Reference results: every algorithm with its default settings, over several seeds, on each built-in task.
 
-    pip install matplotlib                    # only this script needs it
-    python benchmark.py                       # 2 tasks x 16 algorithms x 3 seeds, one after another (hours on a CPU)
-    python benchmark.py --tasks addition      # one task
-    python benchmark.py --quick               # a sanity check of the pipeline (one seed, the first task): 3 minutes
-    python benchmark.py --tools               # tool use: grpo_tools.py against grpo.py on the multiplication task
+    pip install matplotlib                           # only this script needs it
+    python -m benchmarks.benchmark                   # 2 tasks x 16 algorithms x 3 seeds, one after another (hours on a CPU)
+    python -m benchmarks.benchmark --tasks addition  # one task
+    python -m benchmarks.benchmark --quick           # a sanity check of the pipeline (one seed, the first task): 3 minutes
+    python -m benchmarks.benchmark --tools           # tool use: grpo_tools.py against grpo.py on the multiplication task
 
 Each run writes runs/benchmark/<task>/<algorithm>__<seed>/metrics.jsonl; complete runs are reused unless --fresh, so
 an interrupted benchmark resumes where it stopped. The charts and a markdown table of each task go to docs/<task>/.
@@ -633,7 +633,7 @@ def memory_table() -> str:
     ]
     for whole, label in ((True, "whole logits (model forward)"), (False, "chunked output layer (common.py)")):
         for grad in (False, True):
-            code = f"import benchmark, json; print(json.dumps(benchmark.memory_probe({whole}, {grad})))"
+            code = f"from benchmarks import benchmark; import json; print(json.dumps(benchmark.memory_probe({whole}, {grad})))"
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             m = json.loads(done.stdout.strip().splitlines()[-1])
             assert m["extra_peak"] > m["blind_below"], m  # else the high-water mark predates this pass: no measurement
@@ -672,7 +672,8 @@ if __name__ == "__main__":
         table = memory_table()
         with open(os.path.join(args.docs_dir, "memory.md"), "w") as f:
             f.write("# Memory of a log-prob pass\n\n")
-            f.write(f"`python benchmark.py --memory` (peak resident memory, CPU, each pass in a fresh process)\n\n{table}\n")
+            command = "`python -m benchmarks.benchmark --memory`"
+            f.write(f"{command} (peak resident memory, CPU, each pass in a fresh process)\n\n{table}\n")
         print(table)
         raise SystemExit(0)
     if args.tools:
@@ -686,7 +687,7 @@ if __name__ == "__main__":
         probe = "\n".join(without_the_tool(os.path.join(args.runs_dir, "tools")))
         with open(os.path.join(args.docs_dir, "tools", "results.md"), "w") as f:
             f.write(
-                f"`python benchmark.py --tools`: task multiplication; seeds {args.seeds}; mean ± population std "
+                f"`python -m benchmarks.benchmark --tools`: task multiplication; seeds {args.seeds}; mean ± population std "
                 f"(min-max) over seeds.\n\n{tools_summary(results)}\n\nWithout the tool (greedy, one turn, the 500 "
                 f"held-out problems):\n\n{probe}\n"
             )

@@ -1,8 +1,8 @@
 """A real pretrained chat model on this machine: SmolLM2-135M-Instruct (prepare_smollm2.py), offline, on the CPU.
 
-    pip install matplotlib                   # the chart
-    python benchmark_real_model.py           # about two and a half hours on a 2-core CPU, alone
-    python benchmark_real_model.py --tools   # only tool use (chat format: warm-up then RL; inline format): ~half an hour
+    pip install matplotlib                             # the chart
+    python -m benchmarks.benchmark_real_model          # about two and a half hours on a 2-core CPU, alone
+    python -m benchmarks.benchmark_real_model --tools  # only tool use (chat format: warm-up then RL; inline): ~half an hour
 
 Seven measurements, each script in its own process, one after another, written to docs/real-model/results.md with the
 learning curves (docs/real-model/accuracy.png):
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import tyro
 
-import prepare_smollm2
+from benchmarks import prepare_smollm2
 
 LEARN = ["--task", "sums", "--num-prompts", "4", "--group-size", "8", "--learning-rate", "1e-5", "--beta", "0"]
 LEARN += ["--total-steps", "16", "--eval-every", "4"]  # the command of docs/real-model.md
@@ -521,8 +521,8 @@ def formula_check(args: Args) -> list[str]:
     the chat template) and 24 new tokens."""
     from transformers import AutoConfig, AutoTokenizer
 
-    import memory_plan
     import tasks
+    from benchmarks import memory_plan
 
     config, tokenizer = AutoConfig.from_pretrained(args.model_dir), AutoTokenizer.from_pretrained(args.model_dir)
     task = tasks.apply_chat_template(tasks.make_task("gsm8k", f"{args.runs_dir}/sums.jsonl", 2), tokenizer, "auto", "")
@@ -631,7 +631,7 @@ def step_probe(model_dir: str) -> dict:
 
 
 def step_split(model_dir: str) -> list[str]:
-    code = f"import benchmark_real_model as b, json; print(json.dumps(b.step_probe({model_dir!r})))"
+    code = f"from benchmarks import benchmark_real_model as b; import json; print(json.dumps(b.step_probe({model_dir!r})))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
@@ -663,7 +663,7 @@ if __name__ == "__main__":
     os.makedirs(args.runs_dir, exist_ok=True)
     if args.tools:
         lines = [
-            f"`python benchmark_real_model.py --tools`: SmolLM2-135M-Instruct, CPU, {threads_used()}.",
+            f"`python -m benchmarks.benchmark_real_model --tools`: SmolLM2-135M-Instruct, CPU, {threads_used()}.",
             "",
             f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
             "",
@@ -678,7 +678,7 @@ if __name__ == "__main__":
         print("\n".join(lines))
         raise SystemExit(0)
     sections = [
-        "`python benchmark_real_model.py`: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
+        "`python -m benchmarks.benchmark_real_model`: SmolLM2-135M-Instruct, CPU, each run alone in its own process.",
         "",
         f"Measured on: {cpu_name()}, {os.cpu_count()} cores, torch {importlib.metadata.version('torch')}.",
         "",
