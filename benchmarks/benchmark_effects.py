@@ -521,7 +521,7 @@ def difficulty_rows(args: Args, runs: dict) -> list[str]:
         shares = {s: update_weight_shares(counts, weigh[s]) for s in weigh}
         for band in DIFFICULTY:
             lines.append(
-                f"| update on {band} problems, the untrained model's answers | {shares['grpo'][band]:.1%} | "
+                f"| weight on {band} problems, the untrained model's answers | {shares['grpo'][band]:.1%} | "
                 f"{shares['rloo'][band]:.1%} |"
             )
     for band in DIFFICULTY:
@@ -532,12 +532,12 @@ def difficulty_rows(args: Args, runs: dict) -> list[str]:
             )
             for s in weigh
         ]
-        lines.append(f"| update on {band} problems, its own model's answers at step 16 | {cells[0]} | {cells[1]} |")
+        lines.append(f"| weight on {band} problems, its own model's answers at step 16 | {cells[0]} | {cells[1]} |")
     # the bias itself: both weightings on the same answers, those of every final model found (GRPO's and RLOO's)
     answers = [r["correct_counts"] for s in weigh for r in runs[s] if r and "correct_counts" in r]
     for band in DIFFICULTY:
         cells = [spread([update_weight_shares(counts, weigh[s])[band] for counts in answers], ".1%") for s in weigh]
-        lines.append(f"| update on {band} problems, the same answers (every final model's) | {cells[0]} | {cells[1]} |")
+        lines.append(f"| weight on {band} problems, the same answers (every final model's) | {cells[0]} | {cells[1]} |")
     return lines
 
 

@@ -285,6 +285,6 @@ def test_the_update_weight_by_difficulty_is_grpos_and_rloos_own_weighting(tmp_pa
     with open(tmp_path / "effects-runs" / "untrained.json", "w") as f:
         json.dump({"correct_counts": [0.0, 1.0, 4.0, 7.0, 8.0]}, f)  # as the verifier's float scores sum
     lines = benchmark_effects.headline_section(args)
-    assert "| update on hard (1-2 of 8 right) problems, the untrained model's answers | 28.5% | 23.3% |" in lines
-    assert "| update on middle (3-5) problems, its own model's answers at step 16 | 43.1% | - |" in lines
-    assert "| update on hard (1-2 of 8 right) problems, the same answers (every final model's) | 28.5% | 23.3% |" in lines
+    assert "| weight on hard (1-2 of 8 right) problems, the untrained model's answers | 28.5% | 23.3% |" in lines
+    assert "| weight on middle (3-5) problems, its own model's answers at step 16 | 43.1% | - |" in lines
+    assert "| weight on hard (1-2 of 8 right) problems, the same answers (every final model's) | 28.5% | 23.3% |" in lines
