@@ -22,14 +22,19 @@ a reference model), 16 steps, the 200 held-out problems answered greedily at ste
 --only limits the runs to some scripts (run the benchmark in parts: `--parts headline --only grpo dr_grpo`).
 Each run is its own process, with --jobs processes at a time and cpu_count // jobs threads each. A complete run leaves
 its record in DOCS_DIR/effects-runs/SCRIPT-seedN.json (its command, metrics rows, minutes, peak memory, the CPU and the
-threads it had), kept in git beside the page: a run with a record is not run again, on this checkout or another (so the
-benchmark resumes and can be run in parts, across sessions), and a record or run folder made by another command is
-refused. The page, DOCS_DIR/effects.md, and its chart, DOCS_DIR/effects.png, are written from every record found.
+threads it had, and its code: a hash of the script and the modules it may run, the commit, transformers' version),
+kept in git beside the page: a run with a record is not run again, on this checkout or another (so the benchmark
+resumes and can be run in parts, across sessions), and a record or run folder made by another command or by other
+code (made before records kept it, or the script or a module changed since) is refused until --fresh runs it again;
+so is a final model for pass@k that is not its record's run, and preference pairs answered by another run of GRPO. The page, DOCS_DIR/effects.md, and its chart, DOCS_DIR/effects.png, are written from every record found.
 """
 
+import glob
+import hashlib
 import importlib.metadata
 import json
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -144,11 +149,39 @@ def save_run(args: Args, script: str, seed: int, record: dict) -> None:
         f.write("\n")
 
 
+MODULES = ["common.py", "tasks.py", "reward_funcs.py", "engines.py", "tools.py", "preference_pairs.py"]  # a script may run
+
+
+def code_version(script: str) -> dict:
+    """What a record needs beyond its command to be reproducible: a hash of the script and of every module of the
+    project it may run (MODULES and plumbing/), the commit they were at when known, and transformers' version."""
+    digest = hashlib.sha256()
+    for path in [f"{script}.py", *MODULES, *sorted(glob.glob("plumbing/*.py"))]:
+        with open(path, "rb") as f:
+            digest.update(path.encode() + b"\0" + f.read())
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else None
+    return {"code_sha256": digest.hexdigest(), "commit": commit, "transformers": importlib.metadata.version("transformers")}
+
+
+def made_by_other_code(made: dict | None, script: str) -> str | None:
+    """Why a record or run folder (its `code`, None when it kept none) was not made by this checkout's code, or None."""
+    if made is None:
+        return "made before records kept their code version"
+    if made["code_sha256"] != code_version(script)["code_sha256"]:
+        return f"{script}.py or the modules it runs changed since it was made (at commit {made['commit']})"
+    return None
+
+
 def needs_running(args: Args, script: str, seed: int) -> bool:
-    """Whether SCRIPT at SEED must run: --fresh, or no record yet; a record of another command is refused."""
+    """Whether SCRIPT at SEED must run: --fresh, or no record yet; a record of another command, or made by other code
+    than this checkout's (the script or a module it runs changed since), is refused."""
     record = load_run(args, script, seed)
-    if record and record["command"] != [f"{script}.py", *script_flags(script, seed)] and not args.fresh:
-        raise SystemExit(f"{record_path(args, script, seed)} holds a run of another command; remove it or pass --fresh")
+    if record and not args.fresh:
+        if record["command"] != [f"{script}.py", *script_flags(script, seed)]:
+            raise SystemExit(f"{record_path(args, script, seed)} holds a run of another command; remove it or pass --fresh")
+        if why := made_by_other_code(record.get("code"), script):
+            raise SystemExit(f"{record_path(args, script, seed)}: {why}; --fresh runs it again")
     return args.fresh or record is None
 
 
@@ -164,12 +197,19 @@ def run_once(args: Args, script: str, seed: int) -> None:
         with open(path) as f:
             if json.load(f) != command:
                 raise SystemExit(f"{out} holds a run of another command; remove it or pass --fresh")
+    code, code_path = code_version(script), os.path.join(out, "code.json")
+    if os.path.isfile(os.path.join(out, "measured.json")) and not args.fresh:  # a complete run, about to be reused
+        made = json.load(open(code_path)) if os.path.isfile(code_path) else None
+        if why := made_by_other_code(made, script):
+            raise SystemExit(f"{out}: {why}; remove it or pass --fresh")
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     paths = lambda flag: flag.replace("RUNS_DIR", args.runs_dir).replace("DOCS_DIR", args.docs_dir)
     flags = ["--model-name-or-path", args.model_dir, *map(paths, command[1:])]
     run = run_measured(command[0], flags, out, args.fresh, env={"OMP_NUM_THREADS": str(threads)})
     with open(path, "w") as f:
         json.dump(command, f)
+    with open(code_path, "w") as f:
+        json.dump(code, f)
     machine = {
         "cpu": cpu_name(),
         "torch": importlib.metadata.version("torch"),
@@ -177,7 +217,7 @@ def run_once(args: Args, script: str, seed: int) -> None:
         "runs_at_a_time": args.jobs,
     }
     measured = {"seconds": run["seconds"], "peak_bytes": run["peak_bytes"], "rows": run["rows"]}
-    save_run(args, script, seed, {"command": command, **machine, **measured})
+    save_run(args, script, seed, {"command": command, "code": code, **machine, **measured})
 
 
 def run_all(args: Args, runs: list[tuple[str, int]]) -> None:
@@ -214,6 +254,9 @@ def sample_final_model(args: Args, script: str, seed: int) -> None:
         model_dir = os.path.join(run_dir(args, script, seed), "model")
         if not os.path.isdir(model_dir):
             raise SystemExit(f"pass@k of {script}.py seed {seed} needs {model_dir}, not here; run it again with --fresh")
+        code_path = os.path.join(run_dir(args, script, seed), "code.json")
+        if not os.path.isfile(code_path) or json.load(open(code_path)) != record.get("code"):
+            raise SystemExit(f"pass@k of {script}.py seed {seed}: {model_dir} is not the model of its record; --fresh")
         import torch
 
         import common
@@ -275,6 +318,9 @@ def build_pairs(args: Args) -> dict:
     sums-pairs.json (kept, so built once on any checkout); returns that."""
     folder = os.path.join(args.docs_dir, "effects-runs")
     path = os.path.join(folder, "sums-pairs.json")
+    answerer = (load_run(args, "grpo", 1) or {}).get("code")  # the record of the run whose model answers
+    if os.path.isfile(path) and not args.fresh and json.load(open(path)).get("answered_by") != answerer:
+        raise SystemExit(f"{path}: built from another run of grpo.py seed 1 than its record's; --fresh builds them again")
     if args.fresh or not os.path.isfile(path):
         answering = os.path.join(run_dir(args, "grpo", 1), "model")
         if not os.path.isdir(answering):
@@ -304,6 +350,7 @@ def build_pairs(args: Args) -> dict:
                 f.writelines(json.dumps(line) + "\n" for line in lines)
         built = {"prompts": PAIR_PROMPTS, "samples": PAIR_SAMPLES, "pairs": len(rows), "skipped": skipped}
         built.update({"seconds": time.time() - start, "cpu": cpu_name(), "threads": torch.get_num_threads()})
+        built["answered_by"] = answerer
         with open(path, "w") as f:
             json.dump(built, f, indent=1)
     with open(path) as f:

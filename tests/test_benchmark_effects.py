@@ -12,9 +12,13 @@ import pytest
 from benchmarks import benchmark_effects
 
 
-def write_run(folder, rows, seconds=60.0, flags=None):
-    """A complete run as run_measured leaves it: metrics.jsonl and measured.json (and flags.json when FLAGS)."""
+def write_run(folder, rows, seconds=60.0, flags=None, code=None):
+    """A complete run as run_measured leaves it: metrics.jsonl and measured.json (and flags.json when FLAGS, and
+    code.json when CODE, as run_once adds them)."""
     os.makedirs(folder, exist_ok=True)
+    if code is not None:
+        with open(os.path.join(folder, "code.json"), "w") as f:
+            json.dump(code, f)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     with open(os.path.join(folder, "measured.json"), "w") as f:
@@ -46,10 +50,12 @@ def write_record(args, script, seed, rows, seconds=60.0, cpu="CPU A"):
 def test_a_finished_run_folder_becomes_a_record_and_a_record_is_not_run_again(tmp_path, monkeypatch):
     args = benchmark_effects.Args(model_dir="MODEL", runs_dir=str(tmp_path / "runs"), docs_dir=str(tmp_path / "docs"))
     command = ["grpo.py", *benchmark_effects.script_flags("grpo", 1)]
-    write_run(str(tmp_path / "runs" / "grpo-seed1"), rows([0.1, 0.2, 0.3], 10.0, 40.0), seconds=90.0, flags=command)
+    code = benchmark_effects.code_version("grpo")
+    write_run(str(tmp_path / "runs" / "grpo-seed1"), rows([0.1, 0.2, 0.3], 10.0, 40.0), 90.0, command, code)
     benchmark_effects.run_once(args, "grpo", 1)  # the folder is complete: nothing runs, its record is written
     record = benchmark_effects.load_run(args, "grpo", 1)
     assert record["command"] == command and record["seconds"] == 90.0 and record["rows"][-1]["eval/accuracy"] == 0.3
+    assert record["code"] == code and len(code["code_sha256"]) == 64
     assert record["threads"] == max(1, (os.cpu_count() or 1) // args.jobs) and record["runs_at_a_time"] == 1
     # another checkout: the record is there, the run folder is not; nothing may run
     shutil.rmtree(tmp_path / "runs")
@@ -72,6 +78,38 @@ def test_a_record_or_run_folder_of_another_command_is_refused_before_anything_ru
     os.remove(benchmark_effects.record_path(args, "grpo", 1))
     with pytest.raises(SystemExit, match="holds a run of another command"):
         benchmark_effects.run_once(args, "grpo", 1)
+
+
+def test_a_record_or_run_folder_made_by_other_code_is_refused_and_fresh_runs_it(tmp_path, monkeypatch):
+    """A record keeps a hash of its script and of the modules it may run: one made before (no hash) or by code that
+    changed since is refused in one line, before anything runs, and --fresh runs it again; a complete run folder made by
+    other code is refused too, and so is its model for pass@k, and pairs answered by another run than the record's."""
+    args = benchmark_effects.Args(model_dir="MODEL", runs_dir=str(tmp_path / "runs"), docs_dir=str(tmp_path / "docs"))
+    write_record(args, "grpo", 1, rows([0.1, 0.2, 0.3], 10.0, 40.0))  # no code: made before records kept it
+    with pytest.raises(SystemExit, match="grpo-seed1.json: made before records kept their code version; --fresh runs"):
+        benchmark_effects.needs_running(args, "grpo", 1)
+    record = benchmark_effects.load_run(args, "grpo", 1)
+    other = {**benchmark_effects.code_version("grpo"), "code_sha256": "0" * 64, "commit": "abc"}
+    benchmark_effects.save_run(args, "grpo", 1, {**record, "code": other})
+    with pytest.raises(SystemExit, match=r"grpo.py or the modules it runs changed since it was made \(at commit abc\)"):
+        benchmark_effects.needs_running(args, "grpo", 1)
+    assert benchmark_effects.needs_running(benchmark_effects.Args(docs_dir=args.docs_dir, fresh=True), "grpo", 1)
+    # a complete run folder of the right command but other code, about to be reused as the record
+    os.remove(benchmark_effects.record_path(args, "grpo", 1))
+    command = ["grpo.py", *benchmark_effects.script_flags("grpo", 1)]
+    write_run(str(tmp_path / "runs" / "grpo-seed1"), rows([0.1, 0.2, 0.3], 10.0, 40.0), 90.0, command, other)
+    monkeypatch.setattr(benchmark_effects, "run_measured", lambda *a, **k: pytest.fail("nothing may run"))
+    with pytest.raises(SystemExit, match="grpo-seed1: grpo.py or the modules it runs changed since"):
+        benchmark_effects.run_once(args, "grpo", 1)
+    # the model in the run folder is not the record's run: no pass@k from it
+    os.makedirs(tmp_path / "runs" / "grpo-seed1" / "model")
+    benchmark_effects.save_run(args, "grpo", 1, {**record, "code": benchmark_effects.code_version("grpo")})
+    with pytest.raises(SystemExit, match="is not the model of its record"):
+        benchmark_effects.sample_final_model(args, "grpo", 1)
+    # pairs answered by another run of grpo seed 1 than its record's
+    (tmp_path / "docs" / "effects-runs" / "sums-pairs.json").write_text(json.dumps({"answered_by": other}))
+    with pytest.raises(SystemExit, match="built from another run of grpo.py seed 1 than its record's"):
+        benchmark_effects.build_pairs(args)
 
 
 def test_a_script_gets_the_shared_setting_and_only_its_own_flags():
