@@ -26,7 +26,8 @@ threads it had, and its code: a hash of the script and the modules it may run, t
 kept in git beside the page: a run with a record is not run again, on this checkout or another (so the benchmark
 resumes and can be run in parts, across sessions), and a record or run folder made by another command or by other
 code (made before records kept it, or the script or a module changed since) is refused until --fresh runs it again;
-so is a final model for pass@k that is not its record's run, and preference pairs answered by another run of GRPO. The page, DOCS_DIR/effects.md, and its chart, DOCS_DIR/effects.png, are written from every record found.
+so is a final model for pass@k that is not its record's run, and preference pairs answered by another run of GRPO.
+The page, DOCS_DIR/effects.md, and its chart, DOCS_DIR/effects.png, are written from every record found.
 """
 
 import glob
