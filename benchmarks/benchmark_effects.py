@@ -616,28 +616,47 @@ def headline_section(args: Args) -> list[str]:
 
 
 def plot_effects(args: Args, path: str) -> None:
-    """One panel per headline effect: the per-step curve of GRPO and of the other algorithm, the mean over the seeds
-    found and their range shaded."""
+    """One panel per headline effect, each the quantity its section of the page discusses: the per-step curve of GRPO
+    and of the other algorithm (the mean over the seeds found, their range shaded), pass@k of the final models, and
+    for RLOO each estimator's weight on hard, middle and easy problems (bars: the mean, the seeds' range as whiskers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    import grpo
+    import rloo
+
     panels = [
         ("dr_grpo", "rollout/response_length_wrong", "wrong responses' length (tokens)"),
         ("dapo", "train/entropy", "entropy (nats per token)"),
         ("maxrl", "pass@k", "pass@k at step 16"),
-        ("gspo", "train/clip_frac_high", "share past the clip, A > 0"),
-        ("cispo", "train/clip_frac_high", "share past the clip, A > 0"),
-        ("rloo", "eval/accuracy", "held-out accuracy"),
+        ("gspo", "past the clip", "share of tokens past the clip (log)"),
+        ("cispo", "past the clip", "share of tokens past the clip (log)"),
+        ("rloo", "weights", "share of |advantage|, own final answers"),
     ]
+    weigh = {"grpo": grpo.compute_advantages, "rloo": rloo.compute_advantages}
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.4))
     for ax, (other, key, label) in zip(axes.flat, panels):
-        for script, color in (("grpo", "tab:blue"), (other, "tab:orange")):
+        for i, (script, color) in enumerate((("grpo", "tab:blue"), (other, "tab:orange"))):
             runs = [r for r in (load_run(args, script, seed) for seed in recorded_seeds(args)) if r]
+            if key == "weights":  # the estimator's weight per difficulty band on its own final model's answers
+                shares = [update_weight_shares(r["correct_counts"], weigh[script]) for r in runs if "correct_counts" in r]
+                if not shares:
+                    continue
+                values = [[s[band] for s in shares] for band in DIFFICULTY]
+                mean = [sum(v) / len(v) for v in values]
+                spread = [[m - min(v) for m, v in zip(mean, values)], [max(v) - m for m, v in zip(mean, values)]]
+                xs = [j + (i - 0.5) * 0.38 for j in range(len(DIFFICULTY))]
+                ax.bar(xs, mean, 0.38, yerr=spread, color=color, capsize=3, label=f"{script}.py ({len(shares)} seeds)")
+                ax.set_xticks(range(len(DIFFICULTY)), [band.split(" (")[0] for band in DIFFICULTY], fontsize=8)
+                continue
             if key == "pass@k":  # pass@1..8 of the final models, where pass_at_k measured them
                 found = [r["pass_at_k"] for r in runs if "pass_at_k" in r]
                 curves = [{int(k.split("@")[1]): v for k, v in p.items() if "pass@" in k} for p in found]
+            elif key == "past the clip":  # both sides, as the page's table counts them (past_clip_share)
+                high, low = "train/clip_frac_high", "train/clip_frac_low"
+                curves = [{x["step"]: x[high] + x[low] for x in r["rows"] if high in x} for r in runs]
             else:
                 curves = [{x["step"]: x[key] for x in r["rows"] if key in x} for r in runs]
             xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
@@ -649,7 +668,9 @@ def plot_effects(args: Args, path: str) -> None:
             ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.2, lw=0)
         ax.set_title(f"{other}.py vs grpo.py", fontsize=9)
         ax.set_ylabel(label, fontsize=8)
-        ax.set_xlabel("k" if key == "pass@k" else "step", fontsize=8)
+        ax.set_xlabel({"pass@k": "k", "weights": "problems (right answers of 8)"}.get(key, "step"), fontsize=8)
+        if key == "past the clip":  # GRPO's shares sit two orders of magnitude below GSPO's: a linear axis hides them
+            ax.set_yscale("symlog", linthresh=1e-4)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
     fig.suptitle(
