@@ -26,6 +26,7 @@ pending for the server's.
 """
 
 import atexit
+import http.client
 import itertools
 import json
 import os
@@ -163,7 +164,8 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         self.llm.reset_prefix_cache()  # prompts' keys and values cached with the old weights are stale now
         if self.keep:
-            self.kept = {name: w.to(device="cpu", dtype=DTYPES[self.dtype]) for name, w in named}
+            # a copy: a float32 tensor on the CPU would otherwise be the trainer's live parameter, which moves on
+            self.kept = {name: w.to(device="cpu", dtype=DTYPES[self.dtype], copy=True) for name, w in named}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights last sent, in the engine's dtype (kept only with keep=True)."""
@@ -188,6 +190,7 @@ class VLLMServerEngine:
         self.requests = ThreadPoolExecutor(max_workers=32)  # a batch's requests, sent at once: the server batches them
         self.batches = ThreadPoolExecutor(max_workers=1)  # batches sampled in the background, one after another
         self.pending: list[Future] = []
+        self.failed = ""  # the first failure: the requests still queued after it fail at once instead of waiting
         try:
             self.model = self.call("GET", "/v1/models")["data"][0]["id"]
             self.call("GET", "/is_paused")  # a development endpoint: there only with VLLM_SERVER_DEV_MODE=1
@@ -200,26 +203,36 @@ class VLLMServerEngine:
 
     def call(self, method: str, path: str, body: dict | None = None):
         """One HTTP request to the server, its JSON answer; a server that fails stops the run in one line."""
+        if self.failed:
+            raise SystemExit(self.failed)
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method=method)
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
                 text = response.read()
-        except (urllib.error.URLError, OSError) as e:
+            return json.loads(text) if text.strip() else None
+        except (OSError, http.client.HTTPException, ValueError) as e:  # refused, reset, cut short, not JSON
             detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else str(e)
-            raise SystemExit(
-                f"the vLLM server at {self.url} failed on {method} {path}: {detail} (start it again, then --resume)"
-            ) from None
-        return json.loads(text) if text.strip() else None
+            self.failed = f"the vLLM server at {self.url} failed on {method} {path}: {detail} (start it again, then --resume)"
+            raise SystemExit(self.failed) from None
 
     def sample(self, prompt: list[int], n: int, seed: int, max_new_tokens: int, temperature: float):
         """n responses to one prompt, one request (vLLM seeds its i-th response with seed + i): (ids, log-probs, cut)."""
         body = {"model": self.model, "prompt": prompt, "n": n, "seed": seed, "max_tokens": max_new_tokens}
         body |= {"temperature": temperature, "logprobs": 0, "stop_token_ids": self.eos_ids}
         body |= {"return_tokens_as_token_ids": True, "skip_special_tokens": False}
-        choices = sorted(self.call("POST", "/v1/completions", body)["choices"], key=lambda c: c["index"])
-        read = lambda c: [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
-        return [(read(c), c["logprobs"]["token_logprobs"], c["finish_reason"] == "length") for c in choices]
+        answer = self.call("POST", "/v1/completions", body)
+        try:
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            read = lambda c: [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
+            rows = [(read(c), [float(x) for x in c["logprobs"]["token_logprobs"]], c["finish_reason"]) for c in choices]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SystemExit(
+                f"the vLLM server at {self.url} answered /v1/completions without token ids and log-probs ({e!r})"
+            ) from None
+        if len(rows) != n or any(reason not in ("stop", "length") for _, _, reason in rows):  # e.g. "abort": cut short
+            raise SystemExit(f"the vLLM server at {self.url} did not finish the responses: {[r for _, _, r in rows]}")
+        return [(ids, logprobs, reason == "length") for ids, logprobs, reason in rows]
 
     def generate_now(self, groups: list[tuple], seeds: list[int], max_new_tokens: int, temperature: float):
         asked = lambda group, seed: self.sample(*group, seed, max_new_tokens, temperature)
@@ -248,7 +261,7 @@ class VLLMServerEngine:
 
         for future in self.pending:  # the batches sampled ahead keep the weights they were asked with
             future.result()
-        named = {n: w.detach().to(device="cpu", dtype=DTYPES[self.dtype]).contiguous() for n, w in weights.items()}
+        named = {n: w.detach().to(device="cpu", dtype=DTYPES[self.dtype], copy=True) for n, w in weights.items()}
         if self.tied:  # the output layer is the embedding: the server's model has no weight of its own for it
             named.pop("lm_head.weight", None)
         os.makedirs(self.weights_dir, exist_ok=True)
@@ -303,7 +316,8 @@ def make_engine(args, policy, tokenizer, prompts: list[str], device):
     else:
         model = models.load_model(args.model_name_or_path, args.cache_dir, device, args.task, DTYPES[args.engine_dtype])
         engine = BuiltinEngine(model, tokenizer)
-    engine.load_weights(trainer_weights(policy))  # the trainer's weights from the start (after --resume, the resumed ones)
+    engine.load_weights(trainer_weights(policy))  # the trainer's weights from the start (after --resume, restore sends the
+    # resumed ones: the checkpoint is read after the engine is made)
     return engine
 
 

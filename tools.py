@@ -265,7 +265,7 @@ class ChatFormat:
             raise SystemExit(
                 "the model's chat template does not end a turn with its end-of-turn token and then show a tool message"
             )
-        end_of_message = tokenizer.convert_tokens_to_ids("<|eom_id|>")  # Llama 3.x's, one of its EOS ids
+        end_of_message = tokenizer.get_vocab().get("<|eom_id|>")  # Llama 3.x's, one of its EOS ids (never unk's id)
         also_eom = [end_of_message] if end_of_message in eos_ids and end_of_message not in self.end_of_turn else []
         self.call_ends = self.end_of_turn + also_eom  # the ids after which a call is answered
         if self.find_call(turn) != ("calculator", {"expression": "1 + 1"}):  # (only a template's own format can fail)

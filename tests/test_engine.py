@@ -439,3 +439,23 @@ def test_the_engine_samples_greedily_with_a_log_prob_of_0_and_pads_with_0():
     assert torch.equal(logprobs, torch.zeros_like(logprobs))
     _, mask, _, logprobs = engine.generate(prompt_ids, prompt_mask, 5, 1.0)
     assert (logprobs[mask] < 0).all() and torch.equal(logprobs[~mask], torch.zeros_like(logprobs[~mask]))
+
+
+def test_a_vllm_servers_unfinished_or_malformed_answer_stops_the_run_in_one_line(monkeypatch):
+    """The server's answers are checked: a response cut short by another client's /pause (finish_reason "abort"), or an
+    answer without token ids and log-probs, stops the run in one line; after a failed request the requests still queued
+    fail at once instead of waiting for the server (a canned answer stands in for the server: what a real one returns
+    is tested in test_vllm_engine.py)."""
+    engine = engines.VLLMServerEngine.__new__(engines.VLLMServerEngine)
+    engine.url, engine.model, engine.eos_ids, engine.failed = "http://server:1", "m", [2], ""
+    choice = {"index": 0, "finish_reason": "abort", "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-0.5]}}
+    monkeypatch.setattr(engine, "call", lambda *a: {"choices": [choice]})
+    with pytest.raises(SystemExit, match=r"did not finish the responses: \['abort'\]"):
+        engine.sample([1, 2], 1, 0, 4, 1.0)
+    monkeypatch.setattr(engine, "call", lambda *a: {"choices": [{"index": 0, "finish_reason": "stop"}]})
+    with pytest.raises(SystemExit, match="answered /v1/completions without token ids and log-probs"):
+        engine.sample([1, 2], 1, 0, 4, 1.0)
+    monkeypatch.undo()
+    engine.failed = "the vLLM server at http://server:1 failed on POST /v1/completions: reset (start it again, then --resume)"
+    with pytest.raises(SystemExit, match="failed on POST /v1/completions: reset"):
+        engine.call("POST", "/v1/completions", {})  # no request is sent: the first failure is repeated

@@ -535,6 +535,10 @@ def test_llamas_end_of_message_also_ends_a_call_turn():
     assert tokenizer.convert_ids_to_tokens(chat.call_ends) == ["<|eot_id|>", "<|eom_id|>"]
     tokenizer, eos = family_tokenizer("qwen")
     assert tokenizer.convert_ids_to_tokens(tools.ChatFormat(tokenizer, eos, [tools.calculator]).call_ends) == ["<|im_end|>"]
+    # a vocabulary without <|eom_id|> whose unknown token is one of its EOS ids (end of text): that id still ends the
+    # conversation, it is not taken for Llama's end of message
+    tokenizer.unk_token = "<|endoftext|>"
+    assert tokenizer.convert_ids_to_tokens(tools.ChatFormat(tokenizer, eos, [tools.calculator]).call_ends) == ["<|im_end|>"]
 
 
 def test_only_a_template_that_renders_tools_gets_them():

@@ -36,6 +36,20 @@ def test_after_a_sync_vllm_samples_with_the_trainer_s_log_probs(model_dir):
     assert gap.mean() < TOLERANCES["float32"][0] and gap.max() < TOLERANCES["float32"][1], (gap.mean(), gap.max())
 
 
+def test_the_weights_vllm_keeps_between_syncs_are_a_copy_not_the_trainers_live_ones(model_dir):
+    """With --sync-every > 1 a checkpoint saves the weights the engine holds; in float32 on the CPU they must not be the
+    trainer's parameters themselves, which move on after the sync (a resume would then give the engine newer weights
+    than the version it logs)."""
+    tokenizer = models.load_tokenizer(model_dir, "")
+    trainer = models.load_model(model_dir, "", torch.device("cpu"))
+    eos_ids = common.eos_token_ids(trainer, tokenizer)
+    engine = engines.VLLMEngine(model_dir, tokenizer, eos_ids, "float32", 0, torch.device("cpu"), 8, 16, keep=True)
+    engine.load_weights(engines.trainer_weights(trainer))
+    kept = {name: w.clone() for name, w in engine.weights().items()}
+    perturbed(trainer)  # the trainer's next updates, in place
+    assert all(torch.equal(engine.weights()[name], w) for name, w in kept.items())
+
+
 def test_grpo_engine_runs_through_vllm_in_bf16(model_dir, tmp_path):
     """Three steps of the command line with --engine vllm (bf16, the default dtype), in a fresh process: every step's
     rollout came from vLLM with the latest weights (staleness 0) and its bf16 log-probs differ from the float32
